@@ -1,0 +1,1 @@
+"""The evaluation engine: scope -> plan -> correctness, timing, profiling -> verdict."""

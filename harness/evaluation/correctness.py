@@ -1,0 +1,218 @@
+"""Correctness of one case: the candidate against an upcast reference, judged by the stock error.
+
+Per trial: fresh seeded weights and inputs; a float64 reference (the baseline run on upcast
+copies); the stock path's own error against it; two candidate runs on clones of the same inputs,
+the first into NaN-poisoned outputs and the second into outputs filled with the dtype's largest
+value. An element still holding its poison in both runs was never written; the two runs must agree
+bit for bit unless the manifest says the path is non-deterministic.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.evaluation.cases import Case
+from harness.evaluation.loading import LoadedPath, PathFn
+from harness.evaluation.outcomes import Crashed, Mismatch, Outcome, Passed
+from harness.evaluation.plan import derive_seed
+from scopes.manifest import Tolerance
+
+Tensors = dict[str, torch.Tensor]
+REFERENCE_DTYPE = torch.float64
+
+
+@dataclass(frozen=True)
+class OutputError:
+    name: str
+    candidate_error: float  # ||candidate - reference|| / ||reference||
+    stock_error: float
+    error_ratio: float  # candidate_error / max(stock_error, floor)
+    cosine: float
+
+
+@dataclass
+class TrialResult:
+    seed: int
+    outputs: list[OutputError] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def worst_error_ratio(self) -> float:
+        return max((o.error_ratio for o in self.outputs), default=0.0)
+
+
+@dataclass
+class CorrectnessResult:
+    outcome: Outcome
+    trials: list[TrialResult]
+
+    @property
+    def worst_error_ratio(self) -> float:
+        return max((t.worst_error_ratio for t in self.trials), default=0.0)
+
+
+def check_case(path: LoadedPath, case: Case, secret_seed: int, trials: int,
+               tolerance: Tolerance, device: torch.device) -> CorrectnessResult:
+    results: list[TrialResult] = []
+    for trial in range(trials):
+        seed = derive_seed(secret_seed, case.id, "trial", trial)
+        try:
+            result = run_trial(path, case, seed, tolerance, device)
+        except CandidateCrash as crash:
+            return CorrectnessResult(Crashed(crash.error), results)
+        results.append(result)
+        if result.reasons:
+            reasons = tuple(f"trial {trial} (seed {seed}): {r}" for r in result.reasons)
+            return CorrectnessResult(Mismatch(reasons), results)
+    return CorrectnessResult(Passed(), results)
+
+
+class CandidateCrash(Exception):
+    def __init__(self, error: str) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def run_trial(path: LoadedPath, case: Case, seed: int, tolerance: Tolerance,
+              device: torch.device) -> TrialResult:
+    problem = path.problem
+    weights = problem.make_weights(case, derive_seed(seed, "weights"), device)
+    inputs = problem.make_inputs(case, derive_seed(seed, "inputs"), device)
+    reference = _run(path.baseline, _upcast(weights), _upcast(inputs),
+                     _upcast(problem.make_outputs(case, device)))
+    stock = _run(path.baseline, _clone(weights), _clone(inputs),
+                 poisoned(problem.make_outputs(case, device), float("nan")))
+    result = TrialResult(seed)
+    first = _candidate_run(path.candidate, weights, inputs, problem.make_outputs(case, device),
+                           float("nan"), result)
+    second = _candidate_run(path.candidate, weights, inputs, problem.make_outputs(case, device),
+                            None, result)
+    for name in reference:
+        unwritten = first[name].isnan() & (second[name] == _sentinel(second[name]))
+        result.reasons += _written_and_finite(name, first[name], second[name], unwritten)
+        result.reasons += _deterministic(name, first[name], second[name], unwritten, tolerance)
+        error = output_error(name, first[name], stock[name], reference[name], tolerance)
+        result.outputs.append(error)
+        result.reasons += _within_tolerance(error, tolerance)
+    return result
+
+
+def _candidate_run(candidate: PathFn, weights: Tensors, inputs: Tensors, outputs: Tensors,
+                   poison: float | None, result: TrialResult) -> Tensors:
+    """Run on clones into poisoned outputs; note any input or weight the candidate changed."""
+    weights_copy, inputs_copy = _clone(weights), _clone(inputs)
+    outputs = poisoned(outputs, poison)
+    try:
+        _run(candidate, weights_copy, inputs_copy, outputs)
+    except Exception as exc:
+        raise CandidateCrash(_describe_exception(exc)) from None
+    for label, given, original in (("input", inputs_copy, inputs), ("weight", weights_copy, weights)):
+        for name in original:
+            if not torch.equal(given[name], original[name]):
+                result.reasons.append(f"modified its {label} '{name}'")
+    return outputs
+
+
+def _run(fn: PathFn, weights: Tensors, inputs: Tensors, outputs: Tensors) -> Tensors:
+    fn(weights, inputs, outputs)
+    if outputs and next(iter(outputs.values())).is_cuda:
+        torch.cuda.synchronize()
+    return outputs
+
+
+def output_error(name: str, candidate: torch.Tensor, stock: torch.Tensor,
+                 reference: torch.Tensor, tolerance: Tolerance) -> OutputError:
+    ref = reference.to(REFERENCE_DTYPE)
+    cand_error = relative_error(candidate, ref)
+    stock_error = relative_error(stock, ref)
+    floor = tolerance.abs_floor or default_floor(candidate.dtype)
+    cosine = cosine_similarity(candidate, ref)
+    return OutputError(name, cand_error, stock_error, cand_error / max(stock_error, floor), cosine)
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    diff = value.to(REFERENCE_DTYPE) - reference
+    denom = torch.linalg.vector_norm(reference).item()
+    num = torch.linalg.vector_norm(diff).item()
+    if num != num:  # NaN anywhere makes the error infinite, not NaN
+        return float("inf")
+    return num / denom if denom > 0 else num
+
+
+def cosine_similarity(value: torch.Tensor, reference: torch.Tensor) -> float:
+    v = value.to(REFERENCE_DTYPE).flatten()
+    r = reference.flatten()
+    denom = (torch.linalg.vector_norm(v) * torch.linalg.vector_norm(r)).item()
+    if denom == 0 or denom != denom:
+        return 1.0 if torch.equal(v, r) else 0.0
+    return float((v @ r).item() / denom)
+
+
+def default_floor(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).eps) / 8 if dtype.is_floating_point else 0.0
+
+
+def _written_and_finite(name: str, first: torch.Tensor, second: torch.Tensor,
+                        unwritten: torch.Tensor) -> list[str]:
+    reasons = []
+    if unwritten.any():
+        index = unwritten.flatten().nonzero()[0].item()
+        reasons.append(f"'{name}': {int(unwritten.sum())} of {unwritten.numel()} elements never "
+                       f"written (first at flat index {index})")
+    written = ~unwritten
+    nonfinite = written & ~(first.isfinite() & second.isfinite())
+    nonfinite &= second != _sentinel(second)
+    if nonfinite.any():
+        reasons.append(f"'{name}': {int(nonfinite.sum())} NaN/Inf values")
+    return reasons
+
+
+def _deterministic(name: str, first: torch.Tensor, second: torch.Tensor, unwritten: torch.Tensor,
+                   tolerance: Tolerance) -> list[str]:
+    if not tolerance.deterministic:
+        return []
+    differ = (first != second) & ~unwritten & ~(first.isnan() & second.isnan())
+    if differ.any():
+        return [f"'{name}': non-deterministic, two runs on the same inputs differ in "
+                f"{int(differ.sum())} elements"]
+    return []
+
+
+def _within_tolerance(error: OutputError, tolerance: Tolerance) -> list[str]:
+    reasons = []
+    if not error.error_ratio <= tolerance.error_budget:
+        reasons.append(
+            f"'{error.name}': error {error.candidate_error:.3e} vs the reference is "
+            f"{error.error_ratio:.2f}x the stock error {error.stock_error:.3e} "
+            f"(budget {tolerance.error_budget}x)")
+    if not error.cosine >= tolerance.min_cosine:
+        reasons.append(f"'{error.name}': cosine {error.cosine:.6f} < {tolerance.min_cosine}")
+    return reasons
+
+
+def poisoned(outputs: Tensors, value: float | None) -> Tensors:
+    """Fill outputs with value (None: the dtype's largest finite value) so unwritten cells show."""
+    for tensor in outputs.values():
+        tensor.fill_(_sentinel(tensor) if value is None else value)
+    return outputs
+
+
+def _sentinel(tensor: torch.Tensor) -> float:
+    return float(torch.finfo(tensor.dtype).max)
+
+
+def _clone(tensors: Tensors) -> Tensors:
+    return {name: t.clone() for name, t in tensors.items()}
+
+
+def _upcast(tensors: Tensors) -> Tensors:
+    return {name: t.to(REFERENCE_DTYPE) if t.is_floating_point() else t.clone()
+            for name, t in tensors.items()}
+
+
+def _describe_exception(exc: BaseException) -> str:
+    tail = traceback.format_exception(exc)[-3:]
+    return "".join(tail).strip()[-2000:]

@@ -1,0 +1,212 @@
+"""The engine: one scope manifest in, one Evidence out.
+
+evaluate() detects the host, draws the secret run seed, expands the plan, loads the path's entry
+points, and for every case runs correctness first and, if it passes, timing and profiling; then
+the guard probes, the claims and the verdict. Each stage lives in its own module; this one only
+sequences them and turns their results into evidence.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import torch
+
+from harness.evaluation import correctness as correctness_mod
+from harness.evaluation.cases import Case
+from harness.evaluation.environment import detect_host, fingerprint, hbm_bytes_per_s
+from harness.evaluation.evidence import (
+    CaseEvidence,
+    CorrectnessEvidence,
+    Evidence,
+    OutputErrorEvidence,
+    PerformanceEvidence,
+    ProbeEvidence,
+    RunInfo,
+    TrialEvidence,
+)
+from harness.evaluation.guard import check_probe
+from harness.evaluation.loading import EntryPointError, LoadedPath, load_path, use_triton_interpreter
+from harness.evaluation.outcomes import Crashed, Outcome, Passed, Unsupported, reasons_of
+from harness.evaluation.plan import Host, Plan, derive_seed, make_plan
+from harness.evaluation.profiling import profile_step
+from harness.evaluation.stats import median_ci95, speedup_ci95
+from harness.evaluation.timing import (
+    StopRule,
+    build_layers,
+    eager_us,
+    l2_cache_bytes,
+    sample_interleaved,
+    step_runner,
+)
+from harness.evaluation.verdict import check_claim, decide
+from scopes.manifest import ScopeManifest
+
+ProgressFn = Callable[[int, int, str], None]
+CPU_NOTE = "CPU run: timings are host-clock times of eager calls, not GPU evidence."
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    quick: bool = False
+    seed: int | None = None  # None: a fresh secret seed
+    trials: int | None = None  # correctness trials per case; None: 2 quick, 3 otherwise
+    max_layers: int | None = None  # layers per timed step; None: 64 on CUDA, 2 on CPU
+    stop: StopRule | None = None
+    command: str = ""
+
+
+def default_stop_rule(device: torch.device, quick: bool) -> StopRule:
+    if device.type == "cpu":
+        return StopRule(4 if quick else 10, 10 if quick else 100, 1.0 if quick else 5.0, 0.05, 2)
+    if quick:
+        return StopRule(30, 400, 3.0, 0.01)
+    return StopRule(50, 2000, 10.0, 0.005)
+
+
+def evaluate(manifest: ScopeManifest, options: EngineOptions,
+             progress: ProgressFn | None = None) -> Evidence:
+    started_at = _now()
+    host = detect_host(options.device)
+    secret_seed = options.seed if options.seed is not None else secrets.randbits(63)
+    plan = make_plan(manifest, host, secret_seed, options.quick)
+    cases: list[CaseEvidence] = []
+    probes: list[ProbeEvidence] = []
+    notes = [CPU_NOTE] if host.device == "cpu" else []
+    if plan.runnable:
+        if host.device == "cpu":
+            use_triton_interpreter()
+        try:
+            path = load_path(manifest)
+        except EntryPointError as exc:
+            cases = [_case_evidence(c, Crashed(f"loading the path: {exc}")) for c in plan.cases]
+        else:
+            cases, probes = _run_plan(path, plan, manifest, host, secret_seed, options, progress)
+    claims = [check_claim(claim, cases, host.gpu) for claim in manifest.claims]
+    verdict, reasons = decide(cases, probes, claims, list(plan.not_run))
+    return Evidence(
+        verdict=verdict, verdict_reasons=reasons, scope=manifest.name,
+        manifest=manifest.model_dump(mode="json"),
+        run=RunInfo(seed=secret_seed, device=host.device, quick=options.quick,
+                    started_at=started_at, finished_at=_now(), command=options.command),
+        environment=fingerprint(host), not_run=list(plan.not_run), cases=cases, probes=probes,
+        claims=claims, notes=notes,
+    )
+
+
+def _run_plan(path: LoadedPath, plan: Plan, manifest: ScopeManifest, host: Host, secret_seed: int,
+              options: EngineOptions,
+              progress: ProgressFn | None) -> tuple[list[CaseEvidence], list[ProbeEvidence]]:
+    device = torch.device(host.device)
+    total = len(plan.cases) + len(plan.probes)
+    cases = []
+    for index, case in enumerate(plan.cases):
+        if progress:
+            progress(index, total, case.id)
+        cases.append(run_case(path, case, manifest, secret_seed, options, device))
+    probes = []
+    for index, probe in enumerate(plan.probes, start=len(plan.cases)):
+        if progress:
+            progress(index, total, probe.origin)
+        outcome = check_probe(path, probe, secret_seed, device)
+        probes.append(ProbeEvidence(id=probe.id, origin=probe.origin, status=outcome.status,  # type: ignore[arg-type]
+                                    reasons=reasons_of(outcome)))
+    if progress:
+        progress(total, total, "done")
+    return cases, probes
+
+
+def run_case(path: LoadedPath, case: Case, manifest: ScopeManifest, secret_seed: int,
+             options: EngineOptions, device: torch.device) -> CaseEvidence:
+    try:
+        accepted = path.supports(case)
+    except Exception as exc:
+        return _case_evidence(case, Crashed(f"supports({case.id}) raised {exc!r}"))
+    if accepted is not True:
+        return _case_evidence(case, Unsupported(
+            f"the guard refuses this in-scope case (supports returned {accepted!r})"))
+    trials = options.trials or (2 if options.quick else 3)
+    checked = correctness_mod.check_case(path, case, secret_seed, trials, manifest.tolerance, device)
+    correctness = _correctness_evidence(checked)
+    if not isinstance(checked.outcome, Passed):
+        return _case_evidence(case, checked.outcome, correctness)
+    try:
+        performance = measure_case(path, case, secret_seed, options, device)
+    except Exception as exc:
+        return _case_evidence(case, Crashed(f"while timing: {exc!r}"), correctness)
+    return _case_evidence(case, Passed(), correctness, performance)
+
+
+def measure_case(path: LoadedPath, case: Case, secret_seed: int, options: EngineOptions,
+                 device: torch.device) -> PerformanceEvidence:
+    max_layers = options.max_layers or (64 if device.type == "cuda" else 2)
+    layer_set = build_layers(path, case, secret_seed, device, max_layers)
+    stock_step = step_runner(path.baseline, layer_set, device)
+    candidate_step = step_runner(path.candidate, layer_set, device)
+    stop = options.stop or default_stop_rule(device, options.quick)
+    seed = derive_seed(secret_seed, case.id, "bootstrap")
+    timing = sample_interleaved(stock_step, candidate_step, layer_set, device, stop, seed)
+    stock_profile = profile_step(stock_step, timing.layers, device)
+    candidate_profile = profile_step(candidate_step, timing.layers, device)
+    speedup, *speedup_ci = speedup_ci95(timing.stock_us, timing.candidate_us, seed)
+    stock_median, *stock_ci = median_ci95(timing.stock_us, seed)
+    cand_median, *cand_ci = median_ci95(timing.candidate_us, seed)
+    bytes_moved = _bytes_moved(path, case)
+    bandwidth = hbm_bytes_per_s(device.index or 0) if device.type == "cuda" else None
+    return PerformanceEvidence(
+        method=timing.method, is_gpu_evidence=device.type == "cuda", layers=timing.layers,
+        working_set_bytes=timing.working_set_bytes,
+        exceeds_l2=timing.working_set_bytes > l2_cache_bytes(device),
+        stock_us=timing.stock_us, candidate_us=timing.candidate_us,
+        stock_us_median=stock_median, stock_us_ci95=(stock_ci[0], stock_ci[1]),
+        candidate_us_median=cand_median, candidate_us_ci95=(cand_ci[0], cand_ci[1]),
+        speedup=speedup, speedup_ci95=(speedup_ci[0], speedup_ci[1]), stop_reason=timing.stop_reason,
+        stock_eager_us=eager_us(path.baseline, layer_set, device),
+        candidate_eager_us=eager_us(path.candidate, layer_set, device),
+        stock_kernels_per_layer=stock_profile.kernels_per_layer,
+        candidate_kernels_per_layer=candidate_profile.kernels_per_layer,
+        stock_kernel_us_per_layer=stock_profile.kernel_us_per_layer,
+        candidate_kernel_us_per_layer=candidate_profile.kernel_us_per_layer,
+        kernel_source=candidate_profile.source,
+        candidate_kernel_names=list(candidate_profile.kernel_names),
+        bytes_moved=bytes_moved, hbm_bytes_per_s=bandwidth,
+        candidate_hbm_fraction=_fraction(bytes_moved, cand_median, bandwidth),
+        stock_hbm_fraction=_fraction(bytes_moved, stock_median, bandwidth),
+    )
+
+
+def _bytes_moved(path: LoadedPath, case: Case) -> int | None:
+    counter = getattr(path.problem, "bytes_moved", None)
+    return int(counter(case)) if counter else None
+
+
+def _fraction(bytes_moved: int | None, time_us: float, bytes_per_s: float | None) -> float | None:
+    """Fraction of the measured copy bandwidth reached: the HBM floor time over the measured time."""
+    if bytes_moved is None or bytes_per_s is None or time_us <= 0:
+        return None
+    return (bytes_moved / bytes_per_s) / (time_us * 1e-6)
+
+
+def _correctness_evidence(result: correctness_mod.CorrectnessResult) -> CorrectnessEvidence:
+    trials = [TrialEvidence(seed=t.seed, reasons=t.reasons,
+                            outputs=[OutputErrorEvidence(**vars(o)) for o in t.outputs])
+              for t in result.trials]
+    return CorrectnessEvidence(status=result.outcome.status,  # type: ignore[arg-type]
+                               reasons=reasons_of(result.outcome),
+                               worst_error_ratio=result.worst_error_ratio, trials=trials)
+
+
+def _case_evidence(case: Case, outcome: Outcome, correctness: CorrectnessEvidence | None = None,
+                   performance: PerformanceEvidence | None = None) -> CaseEvidence:
+    return CaseEvidence(id=case.id, batch=case.batch, context=case.context, cp=case.cp,
+                        gpus=case.gpus, dtype=case.dtype, origin=case.origin,
+                        status=outcome.status, reasons=reasons_of(outcome),  # type: ignore[arg-type]
+                        correctness=correctness, performance=performance)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

@@ -1,0 +1,125 @@
+"""The evidence schema (versioned): everything a report or a verdict is made from.
+
+Every figure a report shows is a field here or computed from the raw samples stored here.
+docs/evidence.md describes the fields; `pathgate schema` prints the JSON Schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+SCHEMA_VERSION = "pathgate.evidence/1"
+Verdict = Literal["PASS", "FAIL", "INCONCLUSIVE"]
+CaseStatus = Literal["passed", "failed", "unsupported", "crashed", "timed_out", "not_run"]
+ClaimStatus = Literal["verified", "refuted", "inconclusive", "not_measurable"]
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OutputErrorEvidence(Model):
+    name: str
+    candidate_error: float
+    stock_error: float
+    error_ratio: float
+    cosine: float
+
+
+class TrialEvidence(Model):
+    seed: int
+    outputs: list[OutputErrorEvidence]
+    reasons: list[str]
+
+
+class CorrectnessEvidence(Model):
+    status: CaseStatus
+    reasons: list[str]
+    worst_error_ratio: float
+    trials: list[TrialEvidence]
+
+
+class PerformanceEvidence(Model):
+    method: str  # "cuda-graph" or "cpu-host-clock"
+    is_gpu_evidence: bool
+    layers: int
+    working_set_bytes: int
+    exceeds_l2: bool
+    stock_us: list[float]  # per-layer samples, interleaved pairs: stock_us[i] with candidate_us[i]
+    candidate_us: list[float]
+    stock_us_median: float
+    stock_us_ci95: tuple[float, float]
+    candidate_us_median: float
+    candidate_us_ci95: tuple[float, float]
+    speedup: float
+    speedup_ci95: tuple[float, float]
+    stop_reason: str
+    stock_eager_us: float | None
+    candidate_eager_us: float | None
+    stock_kernels_per_layer: float | None
+    candidate_kernels_per_layer: float | None
+    stock_kernel_us_per_layer: float | None
+    candidate_kernel_us_per_layer: float | None
+    kernel_source: str | None
+    candidate_kernel_names: list[str]
+    bytes_moved: int | None
+    hbm_bytes_per_s: float | None
+    candidate_hbm_fraction: float | None
+    stock_hbm_fraction: float | None
+
+
+class CaseEvidence(Model):
+    id: str
+    batch: int
+    context: int | None
+    cp: int
+    gpus: int
+    dtype: str
+    origin: str
+    status: CaseStatus
+    reasons: list[str]
+    correctness: CorrectnessEvidence | None
+    performance: PerformanceEvidence | None
+
+
+class ProbeEvidence(Model):
+    id: str
+    origin: str
+    status: CaseStatus
+    reasons: list[str]
+
+
+class ClaimEvidence(Model):
+    claim: dict[str, Any]
+    description: str
+    status: ClaimStatus
+    measured: float | None
+    ci95: tuple[float, float] | None
+    cases: list[str]
+    reason: str
+
+
+class RunInfo(Model):
+    seed: int  # the secret run seed, revealed once the run is over so it can be reproduced
+    device: str
+    quick: bool
+    started_at: str
+    finished_at: str
+    command: str  # reproduces this run, seed included
+
+
+class Evidence(Model):
+    schema_version: str = SCHEMA_VERSION
+    verdict: Verdict
+    verdict_reasons: list[str]
+    scope: str
+    manifest: dict[str, Any]
+    run: RunInfo
+    environment: dict[str, Any]
+    not_run: list[str]
+    cases: list[CaseEvidence]
+    probes: list[ProbeEvidence]
+    claims: list[ClaimEvidence]
+    notes: list[str]

@@ -1,0 +1,58 @@
+"""Typed outcomes of a case or a check: never a bare boolean."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Passed:
+    status = "passed"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    reasons: tuple[str, ...]
+    status = "failed"
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    why: str
+    status = "unsupported"
+
+
+@dataclass(frozen=True)
+class Crashed:
+    error: str
+    status = "crashed"
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    after_s: float
+    status = "timed_out"
+
+
+@dataclass(frozen=True)
+class NotRun:
+    why: str
+    status = "not_run"
+
+
+Outcome = Passed | Mismatch | Unsupported | Crashed | TimedOut | NotRun
+
+
+def reasons_of(outcome: Outcome) -> list[str]:
+    match outcome:
+        case Passed():
+            return []
+        case Mismatch(reasons=reasons):
+            return list(reasons)
+        case Unsupported(why=why) | NotRun(why=why):
+            return [why]
+        case Crashed(error=error):
+            return [f"crashed: {error}"]
+        case TimedOut(after_s=after_s):
+            return [f"timed out after {after_s:.0f} s"]
+    raise TypeError(f"not an outcome: {outcome!r}")

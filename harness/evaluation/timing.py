@@ -1,0 +1,190 @@
+"""Timing: stock and candidate interleaved on one device, per-layer time, a stop rule.
+
+On CUDA each path is captured once into a CUDA graph holding `layers` calls, each with its own
+weights, inputs and outputs (together more bytes than L2 where memory allows, so no layer is
+served from cache), and the graphs are replayed alternately (A B, B A, ...), each replay between
+two CUDA events. A short spin kernel before each batch of replays lets the host run ahead, so
+launch latency stays out of the events. Per-layer time = replay time / layers. On CPU the same
+loop times eager calls with the host clock; those numbers are not GPU evidence.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.evaluation.cases import Case
+from harness.evaluation.loading import LoadedPath, PathFn
+from harness.evaluation.plan import derive_seed
+from harness.evaluation.stats import median, speedup_ci95
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StopRule:
+    min_pairs: int = 30
+    max_pairs: int = 1000
+    max_seconds: float = 10.0
+    ci_relative_width: float = 0.01  # stop once (high - low) / point of the speedup is below
+    pairs_per_batch: int = 10  # pairs enqueued between two checks of the rule
+
+
+@dataclass
+class LayerSet:
+    """`layers` independent argument sets for one path, each called once per step."""
+
+    args: list[tuple[Tensors, Tensors, Tensors]]
+    working_set_bytes: int
+
+
+@dataclass
+class Timing:
+    method: str  # "cuda-graph" or "cpu-host-clock"
+    layers: int
+    working_set_bytes: int
+    stock_us: list[float] = field(default_factory=list)  # per layer, one entry per sample
+    candidate_us: list[float] = field(default_factory=list)
+    stop_reason: str = ""
+
+
+def layers_for(bytes_per_layer: int, device: torch.device, max_layers: int) -> int:
+    """Enough layers to exceed twice the L2 cache, within max_layers."""
+    l2_bytes = l2_cache_bytes(device)
+    return max(2, min(max_layers, math.ceil(2 * l2_bytes / max(bytes_per_layer, 1))))
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).L2_cache_size)
+    return 32 * 2**20
+
+
+def build_layers(path: LoadedPath, case: Case, secret_seed: int, device: torch.device,
+                 max_layers: int) -> LayerSet:
+    """Distinct weights, inputs and outputs per layer; as many layers as exceed 2x L2."""
+    args = [_layer_args(path, case, secret_seed, 0, device)]
+    bytes_per_layer = _bytes(args[0])
+    layers = layers_for(bytes_per_layer, device, max_layers)
+    args += [_layer_args(path, case, secret_seed, layer, device) for layer in range(1, layers)]
+    return LayerSet(args, bytes_per_layer * layers)
+
+
+def _layer_args(path: LoadedPath, case: Case, secret_seed: int, layer: int,
+                device: torch.device) -> tuple[Tensors, Tensors, Tensors]:
+    seed = derive_seed(secret_seed, case.id, "timing-layer", layer)
+    weights = path.problem.make_weights(case, derive_seed(seed, "weights"), device)
+    inputs = path.problem.make_inputs(case, derive_seed(seed, "inputs"), device)
+    return weights, inputs, path.problem.make_outputs(case, device)
+
+
+def _bytes(args: tuple[Tensors, Tensors, Tensors]) -> int:
+    return sum(t.numel() * t.element_size() for group in args for t in group.values())
+
+
+def sample_interleaved(stock: Callable[[], None], candidate: Callable[[], None],
+                       layer_set: LayerSet, device: torch.device, stop: StopRule,
+                       seed: int) -> Timing:
+    """A B, B A, ... in batches, until the speedup CI is narrow enough or time runs out."""
+    method = "cuda-graph" if device.type == "cuda" else "cpu-host-clock"
+    timing = Timing(method, len(layer_set.args), layer_set.working_set_bytes)
+    started = time.perf_counter()
+    while True:
+        for stock_us, candidate_us in timed_pairs(stock, candidate, stop.pairs_per_batch, device):
+            timing.stock_us.append(stock_us / timing.layers)
+            timing.candidate_us.append(candidate_us / timing.layers)
+        pairs = len(timing.stock_us)
+        if pairs >= stop.max_pairs:
+            timing.stop_reason = f"reached {stop.max_pairs} sample pairs"
+        elif time.perf_counter() - started > stop.max_seconds:
+            timing.stop_reason = f"time cap of {stop.max_seconds:g} s after {pairs} pairs"
+        elif pairs >= stop.min_pairs:
+            point, low, high = speedup_ci95(timing.stock_us, timing.candidate_us, seed)
+            if (high - low) / point < stop.ci_relative_width:
+                timing.stop_reason = (f"speedup CI narrower than {stop.ci_relative_width:.1%} "
+                                      f"after {pairs} pairs")
+        if timing.stop_reason:
+            return timing
+
+
+def step_runner(fn: PathFn, layer_set: LayerSet, device: torch.device) -> Callable[[], None]:
+    """A no-argument call that runs one step (all layers): a graph replay on CUDA."""
+    if device.type == "cuda":
+        return capture_graph(fn, layer_set).replay
+    run_layers(fn, layer_set)  # warm up
+    return lambda: run_layers(fn, layer_set)
+
+
+def timed_pairs(a: Callable[[], None], b: Callable[[], None], count: int,
+                device: torch.device) -> list[tuple[float, float]]:
+    """`count` (a_us, b_us) pairs, run strictly alternating; odd pairs run b first."""
+    clock = _cuda_intervals if device.type == "cuda" else _host_intervals
+    calls = []
+    for i in range(count):
+        calls += [a, b] if i % 2 == 0 else [b, a]
+    times = clock(calls)
+    pairs = []
+    for i in range(count):
+        first, second = times[2 * i], times[2 * i + 1]
+        pairs.append((first, second) if i % 2 == 0 else (second, first))
+    return pairs
+
+
+def _cuda_intervals(calls: list[Callable[[], None]]) -> list[float]:
+    """Microseconds of each call between CUDA events, all enqueued before one synchronize."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)]
+    torch.cuda._sleep(2_000_000)  # the GPU spins (~1 ms) while the host enqueues ahead of it
+    events[0].record()
+    for call, end in zip(calls, events[1:], strict=True):
+        call()
+        end.record()
+    torch.cuda.synchronize()
+    return [1000.0 * start.elapsed_time(end) for start, end in zip(events, events[1:], strict=False)]
+
+
+def _host_intervals(calls: list[Callable[[], None]]) -> list[float]:
+    times = []
+    for call in calls:
+        started = time.perf_counter()
+        call()
+        times.append(1e6 * (time.perf_counter() - started))
+    return times
+
+
+def capture_graph(fn: PathFn, layer_set: LayerSet) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compilation, autotuning) outside the capture
+        for _ in range(2):
+            run_layers(fn, layer_set)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_layers(fn, layer_set)
+    torch.cuda.synchronize()
+    return graph
+
+
+def run_layers(fn: PathFn, layer_set: LayerSet) -> None:
+    for weights, inputs, outputs in layer_set.args:
+        fn(weights, inputs, outputs)
+
+
+def eager_us(fn: PathFn, layer_set: LayerSet, device: torch.device) -> float:
+    """Median per-layer time of plain eager calls (launch overheads included)."""
+    repeats = 5 if device.type == "cuda" else 2
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        run_layers(fn, layer_set)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append(1e6 * (time.perf_counter() - started) / len(layer_set.args))
+    return median(samples)

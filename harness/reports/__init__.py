@@ -1,0 +1,1 @@
+"""Evidence rendered for people: Markdown now; HTML and plots with the dashboard."""

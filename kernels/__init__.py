@@ -1,0 +1,1 @@
+"""Specialized paths and their stock baselines, one package per problem."""

@@ -1,0 +1,1 @@
+"""Scope manifests: the model (manifest.py) and the manifests themselves (*.yaml)."""

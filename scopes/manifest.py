@@ -1,0 +1,252 @@
+"""The scope manifest: what a specialized path claims, and where.
+
+A manifest names the path's entry points (problem, baseline, candidate, guard), the model it
+serves, the hardware, the workload range (batch, context, decode context-parallel degrees), the
+correctness tolerance and the performance claims. Extra keys are refused everywhere, so a typo is
+an error rather than a silently ignored claim.
+
+`load_manifest` parses YAML text and turns every problem into a `ManifestProblem` carrying the
+field path and, where the YAML parser knows it, the line number.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+KNOWN_GPUS = ("H100", "H200", "B200", "GB200", "GB300", "MI300X", "cpu")
+GpuKind = Literal["H100", "H200", "B200", "GB200", "GB300", "MI300X", "cpu"]
+Metric = Literal["speedup", "latency_us", "kernels_per_layer", "tokens_per_s", "hbm_fraction"]
+Dtype = Literal["bfloat16", "float16", "float32"]
+WHERE_KEYS = ("batch", "context", "cp", "gpus")
+
+_ENTRY_POINT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+_SLUG = re.compile(r"^[a-z0-9][a-z0-9-]{1,62}[a-z0-9]$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PathSpec(Strict):
+    """Entry points as `package.module:attribute`."""
+
+    problem: str
+    baseline: str
+    candidate: str
+    supports: str
+
+    @field_validator("problem", "baseline", "candidate", "supports")
+    @classmethod
+    def _entry_point(cls, value: str) -> str:
+        if not _ENTRY_POINT.match(value):
+            raise ValueError(f"{value!r} is not an entry point of the form 'package.module:attr'")
+        return value
+
+
+class Shard(Strict):
+    tp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+
+
+class ModelSpec(Strict):
+    id: str = Field(min_length=1)
+    dtype: Dtype
+    shard: Shard = Shard()
+    # Architecture numbers the problem needs (hidden size, ...); the problem documents its keys.
+    config: dict[str, int | float | str] = Field(default_factory=dict)
+
+
+class Hardware(Strict):
+    gpu: list[GpuKind] = Field(min_length=1)
+    gpus: list[Annotated[int, Field(ge=1, le=1024)]] = Field(min_length=1)
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _known_gpu(cls, value: Any) -> Any:
+        for kind in value if isinstance(value, list) else [value]:
+            if kind not in KNOWN_GPUS:
+                raise ValueError(f"unknown GPU {kind!r}; known: {', '.join(KNOWN_GPUS)}")
+        return value
+
+
+class IntRange(Strict):
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> IntRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
+        return self
+
+
+class Workload(Strict):
+    phase: Literal["decode", "prefill"]
+    batch: IntRange
+    context: IntRange | None = None  # None: the path does not depend on context length
+    context_parallel: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1])
+
+    @field_validator("context_parallel")
+    @classmethod
+    def _distinct(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise ValueError("context_parallel degrees must be distinct")
+        return sorted(value)
+
+
+class Tolerance(Strict):
+    # Candidate error may be at most error_budget x the stock path's own error vs the reference.
+    error_budget: float = Field(2.0, gt=0)
+    min_cosine: float = Field(0.9999, gt=0, le=1)
+    # Relative-error floor under which the stock error is raised before applying the budget;
+    # None derives it from the dtype (machine epsilon / 8).
+    abs_floor: float | None = Field(None, gt=0)
+    deterministic: bool = True
+
+
+class Claim(Strict):
+    metric: Metric
+    where: dict[str, int | list[int]] = Field(default_factory=dict)
+    at_least: float | None = None
+    at_most: float | None = None
+    hardware: GpuKind | None = None
+    # Relative slack: a speedup claim of 1.8 with tolerance 0.05 is met by a CI above 1.71.
+    tolerance: float = Field(0.0, ge=0, lt=1)
+
+    @field_validator("where")
+    @classmethod
+    def _where_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if key not in WHERE_KEYS:
+                raise ValueError(f"unknown case key {key!r} in where; use {', '.join(WHERE_KEYS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> Claim:
+        if (self.at_least is None) == (self.at_most is None):
+            raise ValueError("a claim needs exactly one of at_least / at_most")
+        return self
+
+    def describe(self) -> str:
+        bound = f">= {self.at_least}" if self.at_least is not None else f"<= {self.at_most}"
+        where = ", ".join(f"{k}={v}" for k, v in self.where.items()) or "all cases"
+        on = f" on {self.hardware}" if self.hardware else ""
+        return f"{self.metric} {bound} ({where}){on}"
+
+
+class ScopeManifest(Strict):
+    name: str
+    summary: str = Field(min_length=1)
+    path: PathSpec
+    model: ModelSpec
+    hardware: Hardware
+    workload: Workload
+    tolerance: Tolerance = Tolerance()
+    claims: list[Claim] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, value: str) -> str:
+        if not _SLUG.match(value):
+            raise ValueError("name must be a slug: lowercase letters, digits and '-', 3-64 long")
+        return value
+
+    @model_validator(mode="after")
+    def _claims_in_scope(self) -> ScopeManifest:
+        for claim in self.claims:
+            if claim.hardware and claim.hardware not in self.hardware.gpu:
+                raise ValueError(
+                    f"claim '{claim.describe()}' names {claim.hardware}, "
+                    f"which is not in hardware.gpu"
+                )
+        return self
+
+
+@dataclass(frozen=True)
+class ManifestProblem:
+    """One thing wrong with a manifest, located."""
+
+    field: str
+    message: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = f"line {self.line}: " if self.line else ""
+        return f"{where}{self.field or '(manifest)'}: {self.message}"
+
+
+class ManifestError(Exception):
+    def __init__(self, problems: list[ManifestProblem]) -> None:
+        super().__init__("\n".join(str(p) for p in problems))
+        self.problems = problems
+
+
+def load_manifest(text: str) -> ScopeManifest:
+    """Parse and validate manifest YAML (JSON is YAML too); raise ManifestError on any problem."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        raise ManifestError([ManifestProblem("", f"not valid YAML: {exc}", line)]) from None
+    return validate_manifest(data, root)
+
+
+def load_manifest_file(path: Path) -> ScopeManifest:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ManifestError([ManifestProblem("", f"cannot read {path}: {exc.strerror}")]) from None
+    return load_manifest(text)
+
+
+def validate_manifest(data: Any, root: yaml.Node | None = None) -> ScopeManifest:
+    if not isinstance(data, dict):
+        raise ManifestError([ManifestProblem("", "a manifest is a mapping of fields")])
+    try:
+        return ScopeManifest.model_validate(data)
+    except ValidationError as exc:
+        problems = [_problem(error, root) for error in exc.errors()]
+        raise ManifestError(problems) from None
+
+
+def _problem(error: Any, root: yaml.Node | None) -> ManifestProblem:
+    loc = [part for part in error["loc"] if not _is_type_tag(part)]
+    field = ".".join(str(part) for part in loc)
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown field (not allowed here)"
+    return ManifestProblem(field, message, _line_of(root, loc))
+
+
+def _is_type_tag(part: Any) -> bool:
+    # pydantic puts union member names ("int", "list[int]") into the location
+    return isinstance(part, str) and ("[" in part or part in {"int", "float", "str", "IntRange"})
+
+
+def _line_of(node: yaml.Node | None, loc: list[Any]) -> int | None:
+    """Walk the composed YAML tree along a pydantic location to the deepest node we can find."""
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = [(k, v) for k, v in node.value if k.value == str(part)]
+            if not match:
+                break
+            line = match[0][0].start_mark.line + 1
+            node = match[0][1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                break
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -17,19 +17,22 @@ from rich.table import Table
 from harness.config import get_settings
 from harness.evaluation.environment import DeviceUnavailable
 from harness.evaluation.evidence import Evidence
-from scopes.manifest import ManifestError, load_manifest_file
+from scopes.manifest import ManifestError, ScopeManifest, load_manifest_file
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 EXIT_USAGE = 2
 VERDICT_STYLE = {"PASS": "bold green", "FAIL": "bold red", "INCONCLUSIVE": "bold yellow"}
 
-app = typer.Typer(help="pathgate: validation gate for specialized inference paths.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="pathgate: validation gate for specialized inference paths.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 console = Console(stderr=True)
 out_console = Console()
 
 
-class DeviceChoice(str, Enum):
+class DeviceChoice(StrEnum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
@@ -81,7 +84,7 @@ def schema() -> None:
     out_console.print_json(json.dumps(Evidence.model_json_schema()))
 
 
-def _load_or_exit(scope: Path):  # type: ignore[no-untyped-def]
+def _load_or_exit(scope: Path) -> ScopeManifest:
     try:
         return load_manifest_file(scope)
     except ManifestError as exc:
@@ -92,8 +95,14 @@ def _load_or_exit(scope: Path):  # type: ignore[no-untyped-def]
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=True)
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
 
 
 def _reproduce_command(scope: Path, device: str, quick: bool, seed: int) -> str:
@@ -121,7 +130,14 @@ def _print_summary(evidence: Evidence, out_dir: Path) -> None:
 
 def _cases_table(evidence: Evidence) -> Table:
     table = Table(title=f"{evidence.scope} on {evidence.environment.get('host_gpu')}")
-    for column in ("case", "correctness", "stock µs", "candidate µs", "speedup (95% CI)", "kernels"):
+    for column in (
+        "case",
+        "correctness",
+        "stock µs",
+        "candidate µs",
+        "speedup (95% CI)",
+        "kernels",
+    ):
         table.add_column(column)
     for case in evidence.cases:
         perf = case.performance
@@ -129,10 +145,15 @@ def _cases_table(evidence: Evidence) -> Table:
             table.add_row(case.id, case.status, "-", "-", "-", "-")
             continue
         table.add_row(
-            case.id, case.status, f"{perf.stock_us_median:.2f}", f"{perf.candidate_us_median:.2f}",
+            case.id,
+            case.status,
+            f"{perf.stock_us_median:.2f}",
+            f"{perf.candidate_us_median:.2f}",
             f"{perf.speedup:.3f} [{perf.speedup_ci95[0]:.3f}, {perf.speedup_ci95[1]:.3f}]",
-            _kernels(perf.stock_kernels_per_layer, perf.candidate_kernels_per_layer,
-                     perf.kernel_source))
+            _kernels(
+                perf.stock_kernels_per_layer, perf.candidate_kernels_per_layer, perf.kernel_source
+            ),
+        )
     return table
 
 

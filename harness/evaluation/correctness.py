@@ -54,8 +54,14 @@ class CorrectnessResult:
         return max((t.worst_error_ratio for t in self.trials), default=0.0)
 
 
-def check_case(path: LoadedPath, case: Case, secret_seed: int, trials: int,
-               tolerance: Tolerance, device: torch.device) -> CorrectnessResult:
+def check_case(
+    path: LoadedPath,
+    case: Case,
+    secret_seed: int,
+    trials: int,
+    tolerance: Tolerance,
+    device: torch.device,
+) -> CorrectnessResult:
     results: list[TrialResult] = []
     for trial in range(trials):
         seed = derive_seed(secret_seed, case.id, "trial", trial)
@@ -76,20 +82,31 @@ class CandidateCrash(Exception):
         self.error = error
 
 
-def run_trial(path: LoadedPath, case: Case, seed: int, tolerance: Tolerance,
-              device: torch.device) -> TrialResult:
+def run_trial(
+    path: LoadedPath, case: Case, seed: int, tolerance: Tolerance, device: torch.device
+) -> TrialResult:
     problem = path.problem
     weights = problem.make_weights(case, derive_seed(seed, "weights"), device)
     inputs = problem.make_inputs(case, derive_seed(seed, "inputs"), device)
-    reference = _run(path.baseline, _upcast(weights), _upcast(inputs),
-                     _upcast(problem.make_outputs(case, device)))
-    stock = _run(path.baseline, _clone(weights), _clone(inputs),
-                 poisoned(problem.make_outputs(case, device), float("nan")))
+    reference = _run(
+        path.baseline,
+        _upcast(weights),
+        _upcast(inputs),
+        _upcast(problem.make_outputs(case, device)),
+    )
+    stock = _run(
+        path.baseline,
+        _clone(weights),
+        _clone(inputs),
+        poisoned(problem.make_outputs(case, device), float("nan")),
+    )
     result = TrialResult(seed)
-    first = _candidate_run(path.candidate, weights, inputs, problem.make_outputs(case, device),
-                           float("nan"), result)
-    second = _candidate_run(path.candidate, weights, inputs, problem.make_outputs(case, device),
-                            None, result)
+    first = _candidate_run(
+        path.candidate, weights, inputs, problem.make_outputs(case, device), float("nan"), result
+    )
+    second = _candidate_run(
+        path.candidate, weights, inputs, problem.make_outputs(case, device), None, result
+    )
     for name in reference:
         unwritten = first[name].isnan() & (second[name] == _sentinel(second[name]))
         result.reasons += _written_and_finite(name, first[name], second[name], unwritten)
@@ -100,8 +117,14 @@ def run_trial(path: LoadedPath, case: Case, seed: int, tolerance: Tolerance,
     return result
 
 
-def _candidate_run(candidate: PathFn, weights: Tensors, inputs: Tensors, outputs: Tensors,
-                   poison: float | None, result: TrialResult) -> Tensors:
+def _candidate_run(
+    candidate: PathFn,
+    weights: Tensors,
+    inputs: Tensors,
+    outputs: Tensors,
+    poison: float | None,
+    result: TrialResult,
+) -> Tensors:
     """Run on clones into poisoned outputs; note any input or weight the candidate changed."""
     weights_copy, inputs_copy = _clone(weights), _clone(inputs)
     outputs = poisoned(outputs, poison)
@@ -109,7 +132,10 @@ def _candidate_run(candidate: PathFn, weights: Tensors, inputs: Tensors, outputs
         _run(candidate, weights_copy, inputs_copy, outputs)
     except Exception as exc:
         raise CandidateCrash(_describe_exception(exc)) from None
-    for label, given, original in (("input", inputs_copy, inputs), ("weight", weights_copy, weights)):
+    for label, given, original in (
+        ("input", inputs_copy, inputs),
+        ("weight", weights_copy, weights),
+    ):
         for name in original:
             if not torch.equal(given[name], original[name]):
                 result.reasons.append(f"modified its {label} '{name}'")
@@ -123,8 +149,13 @@ def _run(fn: PathFn, weights: Tensors, inputs: Tensors, outputs: Tensors) -> Ten
     return outputs
 
 
-def output_error(name: str, candidate: torch.Tensor, stock: torch.Tensor,
-                 reference: torch.Tensor, tolerance: Tolerance) -> OutputError:
+def output_error(
+    name: str,
+    candidate: torch.Tensor,
+    stock: torch.Tensor,
+    reference: torch.Tensor,
+    tolerance: Tolerance,
+) -> OutputError:
     ref = reference.to(REFERENCE_DTYPE)
     cand_error = relative_error(candidate, ref)
     stock_error = relative_error(stock, ref)
@@ -155,13 +186,16 @@ def default_floor(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) / 8 if dtype.is_floating_point else 0.0
 
 
-def _written_and_finite(name: str, first: torch.Tensor, second: torch.Tensor,
-                        unwritten: torch.Tensor) -> list[str]:
+def _written_and_finite(
+    name: str, first: torch.Tensor, second: torch.Tensor, unwritten: torch.Tensor
+) -> list[str]:
     reasons = []
     if unwritten.any():
         index = unwritten.flatten().nonzero()[0].item()
-        reasons.append(f"'{name}': {int(unwritten.sum())} of {unwritten.numel()} elements never "
-                       f"written (first at flat index {index})")
+        reasons.append(
+            f"'{name}': {int(unwritten.sum())} of {unwritten.numel()} elements never "
+            f"written (first at flat index {index})"
+        )
     written = ~unwritten
     nonfinite = written & ~(first.isfinite() & second.isfinite())
     nonfinite &= second != _sentinel(second)
@@ -170,14 +204,21 @@ def _written_and_finite(name: str, first: torch.Tensor, second: torch.Tensor,
     return reasons
 
 
-def _deterministic(name: str, first: torch.Tensor, second: torch.Tensor, unwritten: torch.Tensor,
-                   tolerance: Tolerance) -> list[str]:
+def _deterministic(
+    name: str,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    unwritten: torch.Tensor,
+    tolerance: Tolerance,
+) -> list[str]:
     if not tolerance.deterministic:
         return []
     differ = (first != second) & ~unwritten & ~(first.isnan() & second.isnan())
     if differ.any():
-        return [f"'{name}': non-deterministic, two runs on the same inputs differ in "
-                f"{int(differ.sum())} elements"]
+        return [
+            f"'{name}': non-deterministic, two runs on the same inputs differ in "
+            f"{int(differ.sum())} elements"
+        ]
     return []
 
 
@@ -187,7 +228,8 @@ def _within_tolerance(error: OutputError, tolerance: Tolerance) -> list[str]:
         reasons.append(
             f"'{error.name}': error {error.candidate_error:.3e} vs the reference is "
             f"{error.error_ratio:.2f}x the stock error {error.stock_error:.3e} "
-            f"(budget {tolerance.error_budget}x)")
+            f"(budget {tolerance.error_budget}x)"
+        )
     if not error.cosine >= tolerance.min_cosine:
         reasons.append(f"'{error.name}': cosine {error.cosine:.6f} < {tolerance.min_cosine}")
     return reasons
@@ -209,8 +251,10 @@ def _clone(tensors: Tensors) -> Tensors:
 
 
 def _upcast(tensors: Tensors) -> Tensors:
-    return {name: t.to(REFERENCE_DTYPE) if t.is_floating_point() else t.clone()
-            for name, t in tensors.items()}
+    return {
+        name: t.to(REFERENCE_DTYPE) if t.is_floating_point() else t.clone()
+        for name, t in tensors.items()
+    }
 
 
 def _describe_exception(exc: BaseException) -> str:

@@ -29,7 +29,12 @@ from harness.evaluation.evidence import (
     TrialEvidence,
 )
 from harness.evaluation.guard import check_probe
-from harness.evaluation.loading import EntryPointError, LoadedPath, load_path, use_triton_interpreter
+from harness.evaluation.loading import (
+    EntryPointError,
+    LoadedPath,
+    load_path,
+    use_triton_interpreter,
+)
 from harness.evaluation.outcomes import Crashed, Outcome, Passed, Unsupported, reasons_of
 from harness.evaluation.plan import Host, Plan, derive_seed, make_plan
 from harness.evaluation.profiling import profile_step
@@ -68,8 +73,9 @@ def default_stop_rule(device: torch.device, quick: bool) -> StopRule:
     return StopRule(50, 2000, 10.0, 0.005)
 
 
-def evaluate(manifest: ScopeManifest, options: EngineOptions,
-             progress: ProgressFn | None = None) -> Evidence:
+def evaluate(
+    manifest: ScopeManifest, options: EngineOptions, progress: ProgressFn | None = None
+) -> Evidence:
     started_at = _now()
     host = detect_host(options.device)
     secret_seed = options.seed if options.seed is not None else secrets.randbits(63)
@@ -89,18 +95,36 @@ def evaluate(manifest: ScopeManifest, options: EngineOptions,
     claims = [check_claim(claim, cases, host.gpu) for claim in manifest.claims]
     verdict, reasons = decide(cases, probes, claims, list(plan.not_run))
     return Evidence(
-        verdict=verdict, verdict_reasons=reasons, scope=manifest.name,
+        verdict=verdict,
+        verdict_reasons=reasons,
+        scope=manifest.name,
         manifest=manifest.model_dump(mode="json"),
-        run=RunInfo(seed=secret_seed, device=host.device, quick=options.quick,
-                    started_at=started_at, finished_at=_now(), command=options.command),
-        environment=fingerprint(host), not_run=list(plan.not_run), cases=cases, probes=probes,
-        claims=claims, notes=notes,
+        run=RunInfo(
+            seed=secret_seed,
+            device=host.device,
+            quick=options.quick,
+            started_at=started_at,
+            finished_at=_now(),
+            command=options.command,
+        ),
+        environment=fingerprint(host),
+        not_run=list(plan.not_run),
+        cases=cases,
+        probes=probes,
+        claims=claims,
+        notes=notes,
     )
 
 
-def _run_plan(path: LoadedPath, plan: Plan, manifest: ScopeManifest, host: Host, secret_seed: int,
-              options: EngineOptions,
-              progress: ProgressFn | None) -> tuple[list[CaseEvidence], list[ProbeEvidence]]:
+def _run_plan(
+    path: LoadedPath,
+    plan: Plan,
+    manifest: ScopeManifest,
+    host: Host,
+    secret_seed: int,
+    options: EngineOptions,
+    progress: ProgressFn | None,
+) -> tuple[list[CaseEvidence], list[ProbeEvidence]]:
     device = torch.device(host.device)
     total = len(plan.cases) + len(plan.probes)
     cases = []
@@ -113,24 +137,40 @@ def _run_plan(path: LoadedPath, plan: Plan, manifest: ScopeManifest, host: Host,
         if progress:
             progress(index, total, probe.origin)
         outcome = check_probe(path, probe, secret_seed, device)
-        probes.append(ProbeEvidence(id=probe.id, origin=probe.origin, status=outcome.status,  # type: ignore[arg-type]
-                                    reasons=reasons_of(outcome)))
+        probes.append(
+            ProbeEvidence(
+                id=probe.id,
+                origin=probe.origin,
+                status=outcome.status,
+                reasons=reasons_of(outcome),
+            )
+        )
     if progress:
         progress(total, total, "done")
     return cases, probes
 
 
-def run_case(path: LoadedPath, case: Case, manifest: ScopeManifest, secret_seed: int,
-             options: EngineOptions, device: torch.device) -> CaseEvidence:
+def run_case(
+    path: LoadedPath,
+    case: Case,
+    manifest: ScopeManifest,
+    secret_seed: int,
+    options: EngineOptions,
+    device: torch.device,
+) -> CaseEvidence:
     try:
         accepted = path.supports(case)
     except Exception as exc:
         return _case_evidence(case, Crashed(f"supports({case.id}) raised {exc!r}"))
     if accepted is not True:
-        return _case_evidence(case, Unsupported(
-            f"the guard refuses this in-scope case (supports returned {accepted!r})"))
+        return _case_evidence(
+            case,
+            Unsupported(f"the guard refuses this in-scope case (supports returned {accepted!r})"),
+        )
     trials = options.trials or (2 if options.quick else 3)
-    checked = correctness_mod.check_case(path, case, secret_seed, trials, manifest.tolerance, device)
+    checked = correctness_mod.check_case(
+        path, case, secret_seed, trials, manifest.tolerance, device
+    )
     correctness = _correctness_evidence(checked)
     if not isinstance(checked.outcome, Passed):
         return _case_evidence(case, checked.outcome, correctness)
@@ -141,8 +181,9 @@ def run_case(path: LoadedPath, case: Case, manifest: ScopeManifest, secret_seed:
     return _case_evidence(case, Passed(), correctness, performance)
 
 
-def measure_case(path: LoadedPath, case: Case, secret_seed: int, options: EngineOptions,
-                 device: torch.device) -> PerformanceEvidence:
+def measure_case(
+    path: LoadedPath, case: Case, secret_seed: int, options: EngineOptions, device: torch.device
+) -> PerformanceEvidence:
     max_layers = options.max_layers or (64 if device.type == "cuda" else 2)
     layer_set = build_layers(path, case, secret_seed, device, max_layers)
     stock_step = step_runner(path.baseline, layer_set, device)
@@ -158,13 +199,20 @@ def measure_case(path: LoadedPath, case: Case, secret_seed: int, options: Engine
     bytes_moved = _bytes_moved(path, case)
     bandwidth = hbm_bytes_per_s(device.index or 0) if device.type == "cuda" else None
     return PerformanceEvidence(
-        method=timing.method, is_gpu_evidence=device.type == "cuda", layers=timing.layers,
+        method=timing.method,
+        is_gpu_evidence=device.type == "cuda",
+        layers=timing.layers,
         working_set_bytes=timing.working_set_bytes,
         exceeds_l2=timing.working_set_bytes > l2_cache_bytes(device),
-        stock_us=timing.stock_us, candidate_us=timing.candidate_us,
-        stock_us_median=stock_median, stock_us_ci95=(stock_ci[0], stock_ci[1]),
-        candidate_us_median=cand_median, candidate_us_ci95=(cand_ci[0], cand_ci[1]),
-        speedup=speedup, speedup_ci95=(speedup_ci[0], speedup_ci[1]), stop_reason=timing.stop_reason,
+        stock_us=timing.stock_us,
+        candidate_us=timing.candidate_us,
+        stock_us_median=stock_median,
+        stock_us_ci95=(stock_ci[0], stock_ci[1]),
+        candidate_us_median=cand_median,
+        candidate_us_ci95=(cand_ci[0], cand_ci[1]),
+        speedup=speedup,
+        speedup_ci95=(speedup_ci[0], speedup_ci[1]),
+        stop_reason=timing.stop_reason,
         stock_eager_us=eager_us(path.baseline, layer_set, device),
         candidate_eager_us=eager_us(path.candidate, layer_set, device),
         stock_kernels_per_layer=stock_profile.kernels_per_layer,
@@ -173,7 +221,8 @@ def measure_case(path: LoadedPath, case: Case, secret_seed: int, options: Engine
         candidate_kernel_us_per_layer=candidate_profile.kernel_us_per_layer,
         kernel_source=candidate_profile.source,
         candidate_kernel_names=list(candidate_profile.kernel_names),
-        bytes_moved=bytes_moved, hbm_bytes_per_s=bandwidth,
+        bytes_moved=bytes_moved,
+        hbm_bytes_per_s=bandwidth,
         candidate_hbm_fraction=_fraction(bytes_moved, cand_median, bandwidth),
         stock_hbm_fraction=_fraction(bytes_moved, stock_median, bandwidth),
     )
@@ -185,27 +234,48 @@ def _bytes_moved(path: LoadedPath, case: Case) -> int | None:
 
 
 def _fraction(bytes_moved: int | None, time_us: float, bytes_per_s: float | None) -> float | None:
-    """Fraction of the measured copy bandwidth reached: the HBM floor time over the measured time."""
+    """Fraction of the measured copy bandwidth reached: HBM floor time over measured time."""
     if bytes_moved is None or bytes_per_s is None or time_us <= 0:
         return None
     return (bytes_moved / bytes_per_s) / (time_us * 1e-6)
 
 
 def _correctness_evidence(result: correctness_mod.CorrectnessResult) -> CorrectnessEvidence:
-    trials = [TrialEvidence(seed=t.seed, reasons=t.reasons,
-                            outputs=[OutputErrorEvidence(**vars(o)) for o in t.outputs])
-              for t in result.trials]
-    return CorrectnessEvidence(status=result.outcome.status,  # type: ignore[arg-type]
-                               reasons=reasons_of(result.outcome),
-                               worst_error_ratio=result.worst_error_ratio, trials=trials)
+    trials = [
+        TrialEvidence(
+            seed=t.seed,
+            reasons=t.reasons,
+            outputs=[OutputErrorEvidence(**vars(o)) for o in t.outputs],
+        )
+        for t in result.trials
+    ]
+    return CorrectnessEvidence(
+        status=result.outcome.status,
+        reasons=reasons_of(result.outcome),
+        worst_error_ratio=result.worst_error_ratio,
+        trials=trials,
+    )
 
 
-def _case_evidence(case: Case, outcome: Outcome, correctness: CorrectnessEvidence | None = None,
-                   performance: PerformanceEvidence | None = None) -> CaseEvidence:
-    return CaseEvidence(id=case.id, batch=case.batch, context=case.context, cp=case.cp,
-                        gpus=case.gpus, dtype=case.dtype, origin=case.origin,
-                        status=outcome.status, reasons=reasons_of(outcome),  # type: ignore[arg-type]
-                        correctness=correctness, performance=performance)
+def _case_evidence(
+    case: Case,
+    outcome: Outcome,
+    correctness: CorrectnessEvidence | None = None,
+    performance: PerformanceEvidence | None = None,
+) -> CaseEvidence:
+    return CaseEvidence(
+        id=case.id,
+        batch=case.batch,
+        context=case.context,
+        cp=case.cp,
+        gpus=case.gpus,
+        dtype=case.dtype,
+        origin=case.origin,
+        status=outcome.status,
+        reasons=reasons_of(outcome),
+        correctness=correctness,
+        performance=performance,
+    )
 
 
 def _now() -> str:

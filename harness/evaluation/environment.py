@@ -16,8 +16,14 @@ import torch
 from harness import __version__
 from harness.evaluation.plan import Host
 
-GPU_KIND_PATTERNS = (("GB300", "GB300"), ("GB200", "GB200"), ("B200", "B200"),
-                     ("H200", "H200"), ("H100", "H100"), ("MI300X", "MI300X"))
+GPU_KIND_PATTERNS = (
+    ("GB300", "GB300"),
+    ("GB200", "GB200"),
+    ("B200", "B200"),
+    ("H200", "H200"),
+    ("H100", "H100"),
+    ("MI300X", "MI300X"),
+)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -43,25 +49,34 @@ def gpu_kind(device_name: str) -> str:
 
 def fingerprint(host: Host) -> dict[str, object]:
     env: dict[str, object] = {
-        "host_gpu": host.gpu, "host_gpu_count": host.count,
-        "python": platform.python_version(), "platform": platform.platform(),
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "triton": _version("triton"), "cutlass_dsl": _version("nvidia-cutlass-dsl"),
-        "vllm": _version("vllm"), "numpy": _version("numpy"),
-        "harness_version": __version__, "harness_sha": git_sha(REPO_ROOT),
+        "host_gpu": host.gpu,
+        "host_gpu_count": host.count,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
+        "vllm": _version("vllm"),
+        "numpy": _version("numpy"),
+        "harness_version": __version__,
+        "harness_sha": git_sha(REPO_ROOT),
     }
     if host.device == "cuda":
         env.update(_cuda_details())
     env["fingerprint_hash"] = hashlib.sha256(
-        json.dumps(env, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        json.dumps(env, sort_keys=True, default=str).encode()
+    ).hexdigest()[:16]
     return env
 
 
 def _cuda_details() -> dict[str, object]:
     props = torch.cuda.get_device_properties(0)
     details: dict[str, object] = {
-        "gpu_name": props.name, "sm_count": props.multi_processor_count,
-        "gpu_memory_bytes": props.total_memory, "l2_cache_bytes": props.L2_cache_size,
+        "gpu_name": props.name,
+        "sm_count": props.multi_processor_count,
+        "gpu_memory_bytes": props.total_memory,
+        "l2_cache_bytes": props.L2_cache_size,
         "compute_capability": f"{props.major}.{props.minor}",
     }
     details.update(_nvidia_smi())
@@ -71,8 +86,13 @@ def _cuda_details() -> dict[str, object]:
 def _nvidia_smi() -> dict[str, object]:
     fields = "driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit"
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return {"driver": None}
     values = [v.strip() for v in out.splitlines()[0].split(",")]
@@ -89,10 +109,19 @@ def _version(distribution: str) -> str | None:
 
 def git_sha(directory: Path) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(directory), "rev-parse", "HEAD"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-        dirty = subprocess.run(["git", "-C", str(directory), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        out = subprocess.run(
+            ["git", "-C", str(directory), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        dirty = subprocess.run(
+            ["git", "-C", str(directory), "status", "--porcelain"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     sha = out.strip()

@@ -19,8 +19,12 @@ def check_probe(path: LoadedPath, probe: Case, secret_seed: int, device: torch.d
     except Exception as exc:
         return Crashed(f"supports({probe.id}) raised {exc!r}")
     if accepted is not False:
-        return Mismatch((f"guard accepts an out-of-scope case ({probe.origin}): "
-                         f"supports returned {accepted!r}",))
+        return Mismatch(
+            (
+                f"guard accepts an out-of-scope case ({probe.origin}): "
+                f"supports returned {accepted!r}",
+            )
+        )
     if not probe_runs_on_one_process(probe):
         return Passed()
     return _falls_back_to_stock(path, probe, derive_seed(secret_seed, probe.id, "probe"), device)
@@ -33,21 +37,35 @@ def _falls_back_to_stock(path: LoadedPath, probe: Case, seed: int, device: torch
         inputs = problem.make_inputs(probe, derive_seed(seed, "inputs"), device)
     except Exception as exc:
         # The problem itself cannot build this probe (e.g. a dtype it never makes): guard-only.
-        return Passed() if isinstance(exc, (ValueError, TypeError, NotImplementedError)) else \
-            Crashed(f"building probe inputs raised {exc!r}")
+        return (
+            Passed()
+            if isinstance(exc, (ValueError, TypeError, NotImplementedError))
+            else Crashed(f"building probe inputs raised {exc!r}")
+        )
     stock = poisoned(problem.make_outputs(probe, device), float("nan"))
-    path.baseline({k: v.clone() for k, v in weights.items()},
-                  {k: v.clone() for k, v in inputs.items()}, stock)
+    path.baseline(
+        {k: v.clone() for k, v in weights.items()}, {k: v.clone() for k, v in inputs.items()}, stock
+    )
     dispatched = poisoned(problem.make_outputs(probe, device), float("nan"))
     try:
-        path.candidate({k: v.clone() for k, v in weights.items()},
-                       {k: v.clone() for k, v in inputs.items()}, dispatched)
+        path.candidate(
+            {k: v.clone() for k, v in weights.items()},
+            {k: v.clone() for k, v in inputs.items()},
+            dispatched,
+        )
     except Exception as exc:
         return Crashed(f"the dispatching entry raised on {probe.origin}: {exc!r}")
-    differing = [name for name in stock
-                 if not torch.equal(stock[name].nan_to_num(0.0), dispatched[name].nan_to_num(0.0))
-                 or not torch.equal(stock[name].isnan(), dispatched[name].isnan())]
+    differing = [
+        name
+        for name in stock
+        if not torch.equal(stock[name].nan_to_num(0.0), dispatched[name].nan_to_num(0.0))
+        or not torch.equal(stock[name].isnan(), dispatched[name].isnan())
+    ]
     if differing:
-        return Mismatch((f"on {probe.origin} the dispatching entry does not give the stock result "
-                         f"(outputs {', '.join(differing)} differ)",))
+        return Mismatch(
+            (
+                f"on {probe.origin} the dispatching entry does not give the stock result "
+                f"(outputs {', '.join(differing)} differ)",
+            )
+        )
     return Passed()

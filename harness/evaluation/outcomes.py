@@ -3,41 +3,42 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 
 @dataclass(frozen=True)
 class Passed:
-    status = "passed"
+    status: ClassVar[Literal["passed"]] = "passed"
 
 
 @dataclass(frozen=True)
 class Mismatch:
     reasons: tuple[str, ...]
-    status = "failed"
+    status: ClassVar[Literal["failed"]] = "failed"
 
 
 @dataclass(frozen=True)
 class Unsupported:
     why: str
-    status = "unsupported"
+    status: ClassVar[Literal["unsupported"]] = "unsupported"
 
 
 @dataclass(frozen=True)
 class Crashed:
     error: str
-    status = "crashed"
+    status: ClassVar[Literal["crashed"]] = "crashed"
 
 
 @dataclass(frozen=True)
 class TimedOut:
     after_s: float
-    status = "timed_out"
+    status: ClassVar[Literal["timed_out"]] = "timed_out"
 
 
 @dataclass(frozen=True)
 class NotRun:
     why: str
-    status = "not_run"
+    status: ClassVar[Literal["not_run"]] = "not_run"
 
 
 Outcome = Passed | Mismatch | Unsupported | Crashed | TimedOut | NotRun

@@ -57,11 +57,19 @@ def grid_values(bounds: IntRange, rng: random.Random, n_random: int) -> list[tup
             grid.add(power)
         power *= 2
     values = [(v, "grid") for v in sorted(grid)]
-    off_grid = sorted(set(range(bounds.min, bounds.max + 1)) - grid) if bounds.max - bounds.min < 4096 else []
+    off_grid = (
+        sorted(set(range(bounds.min, bounds.max + 1)) - grid)
+        if bounds.max - bounds.min < 4096
+        else []
+    )
     if off_grid:
         picks = rng.sample(off_grid, min(n_random, len(off_grid)))
     else:
-        picks = [v for v in (rng.randint(bounds.min, bounds.max) for _ in range(n_random)) if v not in grid]
+        picks = [
+            v
+            for v in (rng.randint(bounds.min, bounds.max) for _ in range(n_random))
+            if v not in grid
+        ]
     values += [(v, "random") for v in sorted(set(picks))]
     return values
 
@@ -77,8 +85,12 @@ def make_plan(manifest: ScopeManifest, host: Host, secret_seed: int, quick: bool
     if workload.context is not None:
         contexts = list(_thin(grid_values(workload.context, rng, 2), quick))
     base = Case(
-        batch=workload.batch.min, context=workload.context.min if workload.context else None,
-        cp=1, gpus=runnable_gpus[0], dtype=manifest.model.dtype, gpu=host.gpu,
+        batch=workload.batch.min,
+        context=workload.context.min if workload.context else None,
+        cp=1,
+        gpus=runnable_gpus[0],
+        dtype=manifest.model.dtype,
+        gpu=host.gpu,
         config=MappingProxyType(dict(manifest.model.config)),
     )
     cases = []
@@ -90,8 +102,9 @@ def make_plan(manifest: ScopeManifest, host: Host, secret_seed: int, quick: bool
             for batch, b_origin in batches:
                 for context, c_origin in contexts:
                     origin = "random" if "random" in (b_origin, c_origin) else "grid"
-                    cases.append(replace(base, batch=batch, context=context, cp=cp, gpus=gpus,
-                                         origin=origin))
+                    cases.append(
+                        replace(base, batch=batch, context=context, cp=cp, gpus=gpus, origin=origin)
+                    )
     return Plan(tuple(cases), tuple(_probes(manifest, base)), tuple(not_run))
 
 
@@ -110,13 +123,17 @@ def _gpu_counts_here(manifest: ScopeManifest, host: Host) -> tuple[list[int], li
     if host.gpu not in kinds:
         needed = min(manifest.hardware.gpus)
         gpu_names = " or ".join(k for k in kinds)
-        return [], [f"not runnable here: needs {needed}x {gpu_names}; this host has "
-                    f"{host.count}x {host.gpu}"]
+        return [], [
+            f"not runnable here: needs {needed}x {gpu_names}; this host has "
+            f"{host.count}x {host.gpu}"
+        ]
     runnable = [n for n in manifest.hardware.gpus if n <= host.count and n == 1]
     not_run = [
         f"gpus={n}: needs {n}x {host.gpu}, this host runs single-GPU cases only"
-        if n <= host.count else f"gpus={n}: needs {n}x {host.gpu}, this host has {host.count}"
-        for n in manifest.hardware.gpus if n not in runnable
+        if n <= host.count
+        else f"gpus={n}: needs {n}x {host.gpu}, this host has {host.count}"
+        for n in manifest.hardware.gpus
+        if n not in runnable
     ]
     return runnable, not_run
 
@@ -127,8 +144,9 @@ def _probes(manifest: ScopeManifest, base: Case) -> list[Case]:
     if workload.batch.min > 1:
         probes.append(replace(base, batch=workload.batch.min - 1, origin="probe: batch below min"))
     if workload.context is not None:
-        probes.append(replace(base, context=workload.context.max + 1,
-                              origin="probe: context above max"))
+        probes.append(
+            replace(base, context=workload.context.max + 1, origin="probe: context above max")
+        )
     unlisted_cp = next(d for d in (2, 4, 8, 16, 32, 3) if d not in workload.context_parallel)
     probes.append(replace(base, cp=unlisted_cp, origin="probe: unlisted CP degree"))
     probes.append(replace(base, dtype=OTHER_DTYPE[base.dtype], origin="probe: other dtype"))

@@ -11,8 +11,9 @@ def median(samples: list[float]) -> float:
     return float(np.median(np.asarray(samples, dtype=np.float64)))
 
 
-def speedup_ci95(stock_us: list[float], candidate_us: list[float],
-                 seed: int = 0) -> tuple[float, float, float]:
+def speedup_ci95(
+    stock_us: list[float], candidate_us: list[float], seed: int = 0
+) -> tuple[float, float, float]:
     """(point, low, high) of median(stock) / median(candidate).
 
     Samples are taken in interleaved pairs, so pairs are resampled together: a drift in clocks

@@ -10,6 +10,7 @@ loop times eager calls with the host clock; those numbers are not GPU evidence.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -64,8 +65,9 @@ def l2_cache_bytes(device: torch.device) -> int:
     return 32 * 2**20
 
 
-def build_layers(path: LoadedPath, case: Case, secret_seed: int, device: torch.device,
-                 max_layers: int) -> LayerSet:
+def build_layers(
+    path: LoadedPath, case: Case, secret_seed: int, device: torch.device, max_layers: int
+) -> LayerSet:
     """Distinct weights, inputs and outputs per layer; as many layers as exceed 2x L2."""
     args = [_layer_args(path, case, secret_seed, 0, device)]
     bytes_per_layer = _bytes(args[0])
@@ -74,8 +76,9 @@ def build_layers(path: LoadedPath, case: Case, secret_seed: int, device: torch.d
     return LayerSet(args, bytes_per_layer * layers)
 
 
-def _layer_args(path: LoadedPath, case: Case, secret_seed: int, layer: int,
-                device: torch.device) -> tuple[Tensors, Tensors, Tensors]:
+def _layer_args(
+    path: LoadedPath, case: Case, secret_seed: int, layer: int, device: torch.device
+) -> tuple[Tensors, Tensors, Tensors]:
     seed = derive_seed(secret_seed, case.id, "timing-layer", layer)
     weights = path.problem.make_weights(case, derive_seed(seed, "weights"), device)
     inputs = path.problem.make_inputs(case, derive_seed(seed, "inputs"), device)
@@ -86,9 +89,14 @@ def _bytes(args: tuple[Tensors, Tensors, Tensors]) -> int:
     return sum(t.numel() * t.element_size() for group in args for t in group.values())
 
 
-def sample_interleaved(stock: Callable[[], None], candidate: Callable[[], None],
-                       layer_set: LayerSet, device: torch.device, stop: StopRule,
-                       seed: int) -> Timing:
+def sample_interleaved(
+    stock: Callable[[], None],
+    candidate: Callable[[], None],
+    layer_set: LayerSet,
+    device: torch.device,
+    stop: StopRule,
+    seed: int,
+) -> Timing:
     """A B, B A, ... in batches, until the speedup CI is narrow enough or time runs out."""
     method = "cuda-graph" if device.type == "cuda" else "cpu-host-clock"
     timing = Timing(method, len(layer_set.args), layer_set.working_set_bytes)
@@ -105,8 +113,9 @@ def sample_interleaved(stock: Callable[[], None], candidate: Callable[[], None],
         elif pairs >= stop.min_pairs:
             point, low, high = speedup_ci95(timing.stock_us, timing.candidate_us, seed)
             if (high - low) / point < stop.ci_relative_width:
-                timing.stop_reason = (f"speedup CI narrower than {stop.ci_relative_width:.1%} "
-                                      f"after {pairs} pairs")
+                timing.stop_reason = (
+                    f"speedup CI narrower than {stop.ci_relative_width:.1%} after {pairs} pairs"
+                )
         if timing.stop_reason:
             return timing
 
@@ -119,8 +128,9 @@ def step_runner(fn: PathFn, layer_set: LayerSet, device: torch.device) -> Callab
     return lambda: run_layers(fn, layer_set)
 
 
-def timed_pairs(a: Callable[[], None], b: Callable[[], None], count: int,
-                device: torch.device) -> list[tuple[float, float]]:
+def timed_pairs(
+    a: Callable[[], None], b: Callable[[], None], count: int, device: torch.device
+) -> list[tuple[float, float]]:
     """`count` (a_us, b_us) pairs, run strictly alternating; odd pairs run b first."""
     clock = _cuda_intervals if device.type == "cuda" else _host_intervals
     calls = []
@@ -143,7 +153,7 @@ def _cuda_intervals(calls: list[Callable[[], None]]) -> list[float]:
         call()
         end.record()
     torch.cuda.synchronize()
-    return [1000.0 * start.elapsed_time(end) for start, end in zip(events, events[1:], strict=False)]
+    return [1000.0 * start.elapsed_time(end) for start, end in itertools.pairwise(events)]
 
 
 def _host_intervals(calls: list[Callable[[], None]]) -> list[float]:

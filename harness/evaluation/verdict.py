@@ -22,35 +22,61 @@ FAILING_CASE_STATUSES = {"failed", "crashed", "unsupported", "timed_out"}
 
 
 def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> ClaimEvidence:
-    def result(status: ClaimStatus, reason: str, measured: float | None = None,
-               ci95: tuple[float, float] | None = None, ids: list[str] | None = None) -> ClaimEvidence:
-        return ClaimEvidence(claim=claim.model_dump(exclude_defaults=True),
-                             description=claim.describe(), status=status, measured=measured,
-                             ci95=ci95, cases=ids or [], reason=reason)
+    def result(
+        status: ClaimStatus,
+        reason: str,
+        measured: float | None = None,
+        ci95: tuple[float, float] | None = None,
+        ids: list[str] | None = None,
+    ) -> ClaimEvidence:
+        return ClaimEvidence(
+            claim=claim.model_dump(exclude_defaults=True),
+            description=claim.describe(),
+            status=status,
+            measured=measured,
+            ci95=ci95,
+            cases=ids or [],
+            reason=reason,
+        )
 
     if claim.hardware and claim.hardware != host_gpu:
         return result("not_measurable", f"needs {claim.hardware}; this run was on {host_gpu}")
     if claim.metric == "tokens_per_s":
-        return result("not_measurable", "tokens_per_s is an engine-level metric; "
-                      "layer-level evidence does not measure it")
+        return result(
+            "not_measurable",
+            "tokens_per_s is an engine-level metric; layer-level evidence does not measure it",
+        )
     selected = [c for c in cases if _selected(claim, c) and c.performance is not None]
     if host_gpu == "cpu":
         return result("not_measurable", "CPU timings are not GPU evidence")
     if not selected:
         return result("not_measurable", "no measured case matches its `where`")
     per_case = [(c.id, *_metric(claim, c.performance)) for c in selected if c.performance]
-    statuses = [(_status(claim, low, high), case_id, value, (low, high))
-                for case_id, value, low, high in per_case]
+    statuses = [
+        (_status(claim, low, high), case_id, value, (low, high))
+        for case_id, value, low, high in per_case
+    ]
     ids = [case_id for case_id, *_ in per_case]
     for wanted in ("refuted", "inconclusive"):
         hits = [s for s in statuses if s[0] == wanted]
         if hits:
             _, case_id, value, ci = hits[0]
-            return result(wanted, f"{case_id}: measured {value:.4g}, 95% CI "  # type: ignore[arg-type]
-                          f"[{ci[0]:.4g}, {ci[1]:.4g}]", value, ci, ids)
+            return result(
+                wanted,
+                f"{case_id}: measured {value:.4g}, 95% CI [{ci[0]:.4g}, {ci[1]:.4g}]",
+                value,
+                ci,
+                ids,
+            )
     worst = min(statuses, key=lambda s: _margin(claim, s[3]))
-    return result("verified", f"all {len(statuses)} selected cases meet it; closest {worst[1]}: "
-                  f"95% CI [{worst[3][0]:.4g}, {worst[3][1]:.4g}]", worst[2], worst[3], ids)
+    return result(
+        "verified",
+        f"all {len(statuses)} selected cases meet it; closest {worst[1]}: "
+        f"95% CI [{worst[3][0]:.4g}, {worst[3][1]:.4g}]",
+        worst[2],
+        worst[3],
+        ids,
+    )
 
 
 def _selected(claim: Claim, case: CaseEvidence) -> bool:
@@ -98,22 +124,34 @@ def _margin(claim: Claim, ci: tuple[float, float]) -> float:
     return (claim.at_most or 0.0) - ci[1]
 
 
-def decide(cases: list[CaseEvidence], probes: list[ProbeEvidence], claims: list[ClaimEvidence],
-           not_run: list[str]) -> tuple[Verdict, list[str]]:
-    failures = [f"case {c.id}: {'; '.join(c.reasons)}" for c in cases
-                if c.status in FAILING_CASE_STATUSES]
-    failures += [f"guard, {p.origin}: {'; '.join(p.reasons)}" for p in probes
-                 if p.status != "passed"]
-    failures += [f"claim refuted: {c.description}: {c.reason}" for c in claims
-                 if c.status == "refuted"]
+def decide(
+    cases: list[CaseEvidence],
+    probes: list[ProbeEvidence],
+    claims: list[ClaimEvidence],
+    not_run: list[str],
+) -> tuple[Verdict, list[str]]:
+    failures = [
+        f"case {c.id}: {'; '.join(c.reasons)}" for c in cases if c.status in FAILING_CASE_STATUSES
+    ]
+    failures += [
+        f"guard, {p.origin}: {'; '.join(p.reasons)}" for p in probes if p.status != "passed"
+    ]
+    failures += [
+        f"claim refuted: {c.description}: {c.reason}" for c in claims if c.status == "refuted"
+    ]
     if failures:
         return "FAIL", failures
     if not cases:
         return "INCONCLUSIVE", not_run or ["no case of the scope could run here"]
-    open_claims = [f"claim {c.status.replace('_', ' ')}: {c.description}: {c.reason}"
-                   for c in claims if c.status in ("inconclusive", "not_measurable")]
+    open_claims = [
+        f"claim {c.status.replace('_', ' ')}: {c.description}: {c.reason}"
+        for c in claims
+        if c.status in ("inconclusive", "not_measurable")
+    ]
     if open_claims:
         return "INCONCLUSIVE", open_claims
     verified = sum(c.status == "verified" for c in claims)
-    return "PASS", [f"all {len(cases)} cases correct, guard right on all {len(probes)} probes, "
-                    f"{verified} of {len(claims)} claims verified"]
+    return "PASS", [
+        f"all {len(cases)} cases correct, guard right on all {len(probes)} probes, "
+        f"{verified} of {len(claims)} claims verified"
+    ]

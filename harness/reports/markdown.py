@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from harness.evaluation.evidence import CaseEvidence, Evidence
 
-CLAIM_STATUS_WORDS = {"verified": "verified", "refuted": "**refuted**",
-                      "inconclusive": "inconclusive", "not_measurable": "not measurable here"}
+CLAIM_STATUS_WORDS = {
+    "verified": "verified",
+    "refuted": "**refuted**",
+    "inconclusive": "inconclusive",
+    "not_measurable": "not measurable here",
+}
 
 
 def render_markdown(evidence: Evidence) -> str:
@@ -20,23 +24,38 @@ def render_markdown(evidence: Evidence) -> str:
 def _claims(evidence: Evidence) -> list[str]:
     if not evidence.claims:
         return ["## Claims", "", "The manifest makes no performance claims.", ""]
-    lines = ["## Claims", "", "| claim | status | measured | 95% CI | why |", "|---|---|---|---|---|"]
+    lines = [
+        "## Claims",
+        "",
+        "| claim | status | measured | 95% CI | why |",
+        "|---|---|---|---|---|",
+    ]
     for claim in evidence.claims:
         measured = f"{claim.measured:.4g}" if claim.measured is not None else "-"
         ci = f"[{claim.ci95[0]:.4g}, {claim.ci95[1]:.4g}]" if claim.ci95 else "-"
-        lines.append(f"| {claim.description} | {CLAIM_STATUS_WORDS[claim.status]} | {measured} "
-                     f"| {ci} | {claim.reason} |")
-    return lines + [""]
+        lines.append(
+            f"| {claim.description} | {CLAIM_STATUS_WORDS[claim.status]} | {measured} "
+            f"| {ci} | {claim.reason} |"
+        )
+    return [*lines, ""]
 
 
 def _cases(evidence: Evidence) -> list[str]:
     passed = sum(c.status == "passed" for c in evidence.cases)
-    lines = ["## Cases", "", f"{passed} of {len(evidence.cases)} in-scope cases correct; "
-             f"guard right on {sum(p.status == 'passed' for p in evidence.probes)} of "
-             f"{len(evidence.probes)} out-of-scope probes.", ""]
+    lines = [
+        "## Cases",
+        "",
+        f"{passed} of {len(evidence.cases)} in-scope cases correct; "
+        f"guard right on {sum(p.status == 'passed' for p in evidence.probes)} of "
+        f"{len(evidence.probes)} out-of-scope probes.",
+        "",
+    ]
     if evidence.cases:
-        lines += ["| case | origin | correctness | worst error ratio | stock µs | candidate µs "
-                  "| speedup (95% CI) | kernels stock / candidate |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| case | origin | correctness | worst error ratio | stock µs | candidate µs "
+            "| speedup (95% CI) | kernels stock / candidate |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         lines += [_case_row(case) for case in evidence.cases]
         lines.append("")
     failing = [c for c in evidence.cases if c.reasons] + [p for p in evidence.probes if p.reasons]
@@ -50,10 +69,12 @@ def _case_row(case: CaseEvidence) -> str:
     perf = case.performance
     if perf is None:
         return f"| {case.id} | {case.origin} | {case.status} | {ratio} | - | - | - | - |"
-    kernels = (f"{_num(perf.stock_kernels_per_layer)} / {_num(perf.candidate_kernels_per_layer)}")
-    return (f"| {case.id} | {case.origin} | {case.status} | {ratio} | {perf.stock_us_median:.2f} "
-            f"| {perf.candidate_us_median:.2f} | {perf.speedup:.3f} "
-            f"[{perf.speedup_ci95[0]:.3f}, {perf.speedup_ci95[1]:.3f}] | {kernels} |")
+    kernels = f"{_num(perf.stock_kernels_per_layer)} / {_num(perf.candidate_kernels_per_layer)}"
+    return (
+        f"| {case.id} | {case.origin} | {case.status} | {ratio} | {perf.stock_us_median:.2f} "
+        f"| {perf.candidate_us_median:.2f} | {perf.speedup:.3f} "
+        f"[{perf.speedup_ci95[0]:.3f}, {perf.speedup_ci95[1]:.3f}] | {kernels} |"
+    )
 
 
 def _num(value: float | None) -> str:
@@ -68,8 +89,28 @@ def _scope(evidence: Evidence) -> list[str]:
 
 def _environment(evidence: Evidence) -> list[str]:
     env = evidence.environment
-    keys = ["host_gpu", "host_gpu_count", "gpu_name", "driver", "cuda", "torch", "triton",
-            "cutlass_dsl", "vllm", "python", "harness_sha", "fingerprint_hash"]
+    keys = [
+        "host_gpu",
+        "host_gpu_count",
+        "gpu_name",
+        "driver",
+        "cuda",
+        "torch",
+        "triton",
+        "cutlass_dsl",
+        "vllm",
+        "python",
+        "harness_sha",
+        "fingerprint_hash",
+    ]
     rows = [f"| {key} | {env.get(key)} |" for key in keys if key in env]
-    return ["## Environment", "", "| | |", "|---|---|", *rows,
-            f"| run seed | {evidence.run.seed} |", f"| started | {evidence.run.started_at} |", ""]
+    return [
+        "## Environment",
+        "",
+        "| | |",
+        "|---|---|",
+        *rows,
+        f"| run seed | {evidence.run.seed} |",
+        f"| started | {evidence.run.started_at} |",
+        "",
+    ]

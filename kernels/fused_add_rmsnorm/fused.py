@@ -1,8 +1,9 @@
 """Candidate: residual-add + RMSNorm in one Triton kernel, one program per token row.
 
-Each program loads a row (or, on CPU, a few rows) of x and residual (BLOCK >= hidden columns, masked), sums in float32,
-stores the rounded sum, reduces the mean square in registers and writes the normalized, weighted
-row: one read of each input and one write of each output, the fewest bytes the op can move.
+Each program loads a row (on CPU, 16 rows) of x and residual (BLOCK >= hidden columns, masked),
+sums in float32, stores the rounded sum, reduces the mean square in registers and writes the
+normalized, weighted row: one read of each input and one write of each output, the fewest
+bytes the op can move.
 `supports` is the dispatch guard; `forward` falls back to the stock path outside it, so out of
 scope the result is exactly the stock result.
 """
@@ -56,9 +57,16 @@ def _round_to_bf16(x):
 
 @triton.jit
 def _fused_add_rmsnorm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    batch, hidden, eps,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    batch,
+    hidden,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     cols = tl.arange(0, BLOCK)  # (BLOCK,)
@@ -76,8 +84,9 @@ def _fused_add_rmsnorm_kernel(
     tl.store(out_ptr + offsets, _round_to_bf16(normed * weight[None, :]), mask=mask)
 
 
-def forward(weights: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
-            out: dict[str, torch.Tensor]) -> None:
+def forward(
+    weights: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+) -> None:
     x, residual = inputs["x"], inputs["residual"]
     if not _supports_tensors(x):
         stock.forward(weights, inputs, out)
@@ -88,7 +97,15 @@ def forward(weights: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
     # program, so there a program takes 16 rows.
     rows = 1 if x.is_cuda else 16
     _fused_add_rmsnorm_kernel[(triton.cdiv(batch, rows),)](
-        x, residual, weights["weight"], out["out"], out["residual_out"],
-        batch, hidden, stock.EPS,
-        ROWS=rows, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        x,
+        residual,
+        weights["weight"],
+        out["out"],
+        out["residual_out"],
+        batch,
+        hidden,
+        stock.EPS,
+        ROWS=rows,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
     )

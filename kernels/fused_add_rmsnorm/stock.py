@@ -12,8 +12,9 @@ import torch
 EPS = 1e-6
 
 
-def forward(weights: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
-            out: dict[str, torch.Tensor]) -> None:
+def forward(
+    weights: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+) -> None:
     x, residual = inputs["x"], inputs["residual"]
     orig_dtype = x.dtype
     compute = torch.promote_types(orig_dtype, torch.float32)

@@ -1,0 +1,140 @@
+"""Claims against measured intervals, and the verdict's precedence: FAIL > INCONCLUSIVE > PASS."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.evaluation.evidence import (
+    CaseEvidence,
+    ClaimEvidence,
+    PerformanceEvidence,
+    ProbeEvidence,
+)
+from harness.evaluation.verdict import check_claim, decide
+from scopes.manifest import Claim
+
+
+def _perf(
+    speedup: tuple[float, float, float], latency: tuple[float, float, float], kernels: float = 1.0
+) -> PerformanceEvidence:
+    return PerformanceEvidence(
+        method="cuda-graph",
+        is_gpu_evidence=True,
+        layers=8,
+        working_set_bytes=1 << 28,
+        exceeds_l2=True,
+        stock_us=[1.0],
+        candidate_us=[1.0],
+        stock_us_median=latency[0] * speedup[0],
+        stock_us_ci95=(1.0, 1.0),
+        candidate_us_median=latency[0],
+        candidate_us_ci95=(latency[1], latency[2]),
+        speedup=speedup[0],
+        speedup_ci95=(speedup[1], speedup[2]),
+        stop_reason="",
+        stock_eager_us=None,
+        candidate_eager_us=None,
+        stock_kernels_per_layer=5.0,
+        candidate_kernels_per_layer=kernels,
+        stock_kernel_us_per_layer=None,
+        candidate_kernel_us_per_layer=None,
+        kernel_source="cupti",
+        candidate_kernel_names=[],
+        bytes_moved=1000,
+        hbm_bytes_per_s=4e12,
+        candidate_hbm_fraction=0.8,
+        stock_hbm_fraction=0.4,
+    )
+
+
+def _case(batch: int, perf: PerformanceEvidence | None, status: str = "passed") -> CaseEvidence:
+    return CaseEvidence(
+        id=f"batch={batch}",
+        batch=batch,
+        context=None,
+        cp=1,
+        gpus=1,
+        dtype="bfloat16",
+        origin="grid",
+        status=status,
+        reasons=[],  # type: ignore[arg-type]
+        correctness=None,
+        performance=perf,
+    )
+
+
+CASES = [
+    _case(1, _perf((1.9, 1.85, 1.95), (50, 49, 51))),
+    _case(64, _perf((1.3, 1.2, 1.4), (80, 78, 82), kernels=2)),
+]
+
+
+@pytest.mark.parametrize(
+    ("claim", "status"),
+    [
+        ({"metric": "speedup", "where": {"batch": 1}, "at_least": 1.8}, "verified"),
+        ({"metric": "speedup", "where": {"batch": 1}, "at_least": 1.9}, "inconclusive"),
+        ({"metric": "speedup", "where": {"batch": 1}, "at_least": 2.0}, "refuted"),
+        (
+            {"metric": "speedup", "where": {"batch": 1}, "at_least": 2.0, "tolerance": 0.1},
+            "verified",
+        ),
+        ({"metric": "speedup", "at_least": 1.5}, "refuted"),
+        ({"metric": "speedup", "where": {"batch": [1, 64]}, "at_least": 1.1}, "verified"),
+        ({"metric": "latency_us", "where": {"batch": 1}, "at_most": 52}, "verified"),
+        ({"metric": "latency_us", "where": {"batch": 1}, "at_most": 48}, "refuted"),
+        ({"metric": "kernels_per_layer", "at_most": 1}, "refuted"),
+        ({"metric": "kernels_per_layer", "at_most": 2}, "verified"),
+        ({"metric": "hbm_fraction", "where": {"batch": 1}, "at_least": 0.7}, "verified"),
+        ({"metric": "speedup", "where": {"batch": 3}, "at_least": 1.0}, "not_measurable"),
+        ({"metric": "speedup", "at_least": 1.0, "hardware": "GB300"}, "not_measurable"),
+        ({"metric": "tokens_per_s", "at_least": 100}, "not_measurable"),
+    ],
+)
+def test_claim_status(claim: dict, status: str) -> None:
+    result = check_claim(Claim.model_validate(claim), CASES, host_gpu="H200")
+    assert result.status == status, result.reason
+
+
+def test_claims_on_cpu_are_not_gpu_evidence() -> None:
+    claim = Claim.model_validate({"metric": "speedup", "at_least": 1.0})
+    result = check_claim(claim, CASES, host_gpu="cpu")
+    assert result.status == "not_measurable"
+    assert "not GPU evidence" in result.reason
+
+
+def _claim(status: str) -> ClaimEvidence:
+    return ClaimEvidence(
+        claim={},
+        description="d",
+        status=status,
+        measured=None,
+        ci95=None,  # type: ignore[arg-type]
+        cases=[],
+        reason="r",
+    )
+
+
+PROBE_OK = ProbeEvidence(id="p", origin="probe: x", status="passed", reasons=[])
+PROBE_BAD = ProbeEvidence(id="p", origin="probe: x", status="failed", reasons=["accepts"])
+
+
+@pytest.mark.parametrize(
+    ("cases", "probes", "claims", "verdict"),
+    [
+        (CASES, [PROBE_OK], [_claim("verified")], "PASS"),
+        (CASES, [PROBE_OK], [], "PASS"),
+        (CASES, [PROBE_OK], [_claim("verified"), _claim("not_measurable")], "INCONCLUSIVE"),
+        (CASES, [PROBE_OK], [_claim("inconclusive")], "INCONCLUSIVE"),
+        (CASES, [PROBE_OK], [_claim("refuted"), _claim("inconclusive")], "FAIL"),
+        (CASES, [PROBE_BAD], [_claim("verified")], "FAIL"),
+        ([*CASES, _case(2, None, "failed")], [PROBE_OK], [_claim("inconclusive")], "FAIL"),
+        ([*CASES, _case(2, None, "unsupported")], [PROBE_OK], [], "FAIL"),
+        ([*CASES, _case(2, None, "crashed")], [PROBE_OK], [], "FAIL"),
+        ([], [], [_claim("not_measurable")], "INCONCLUSIVE"),
+    ],
+)
+def test_verdict_precedence(cases: list, probes: list, claims: list, verdict: str) -> None:
+    decided, reasons = decide(cases, probes, claims, ["not runnable here: needs 8x GB300"])
+    assert decided == verdict
+    assert reasons

@@ -1,0 +1,121 @@
+"""Manifest validation: every kind of bad field gets its own located message; CLI exits 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from harness.cli import app
+from scopes.manifest import ManifestError, load_manifest, load_manifest_file
+
+SCOPES = Path(__file__).resolve().parents[2] / "scopes"
+GOOD = (SCOPES / "fused-add-rmsnorm-h200.yaml").read_text()
+
+
+def _mutated(change: str, value: object) -> str:
+    data = yaml.safe_load(GOOD)
+    node = data
+    *parents, last = change.split(".")
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _problems(text: str) -> list[str]:
+    with pytest.raises(ManifestError) as caught:
+        load_manifest(text)
+    return [str(p) for p in caught.value.problems]
+
+
+@pytest.mark.parametrize("path", sorted(SCOPES.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_manifests_are_valid(path: Path) -> None:
+    manifest = load_manifest_file(path)
+    assert manifest.name == path.stem
+
+
+@pytest.mark.parametrize(
+    ("change", "value", "field", "words"),
+    [
+        ("hardware.gpu", ["H300"], "hardware.gpu", "unknown GPU 'H300'"),
+        ("workload.batch", {"min": 64, "max": 1}, "workload.batch", "min (64) is larger than max"),
+        (
+            "workload.batch",
+            {"min": 0, "max": 8},
+            "workload.batch.min",
+            "greater than or equal to 1",
+        ),
+        ("path.candidate", "not an entry point", "path.candidate", "not an entry point"),
+        ("model.dtype", "int4", "model.dtype", "'bfloat16', 'float16' or 'float32'"),
+        ("name", "Bad Name!", "name", "must be a slug"),
+        ("claims", [{"metric": "flops", "at_least": 1}], "claims.0.metric", "Input should be"),
+        ("claims", [{"metric": "speedup"}], "claims.0", "exactly one of at_least / at_most"),
+        (
+            "claims",
+            [{"metric": "speedup", "at_least": 1, "where": {"seq": 1}}],
+            "claims.0.where",
+            "unknown case key 'seq'",
+        ),
+        (
+            "claims",
+            [{"metric": "speedup", "at_least": 1, "hardware": "GB300"}],
+            "",
+            "not in hardware.gpu",
+        ),
+        ("workload.context_parallel", [1, 1], "workload.context_parallel", "distinct"),
+        ("tolerance", {"error_budget": -1}, "tolerance.error_budget", "greater than 0"),
+    ],
+)
+def test_each_bad_field_gets_its_message(
+    change: str, value: object, field: str, words: str
+) -> None:
+    problems = _problems(_mutated(change, value))
+    assert any(words in p and (field == "" or f"{field}:" in p) for p in problems), problems
+
+
+def test_extra_keys_are_refused_with_their_line() -> None:
+    text = GOOD.replace("  phase: decode\n", "  phase: decode\n  batchh: 3\n")
+    problems = _problems(text)
+    line = text.splitlines().index("  batchh: 3") + 1
+    assert problems == [f"line {line}: workload.batchh: unknown field (not allowed here)"]
+
+
+def test_missing_field_and_several_problems_are_all_reported() -> None:
+    data = yaml.safe_load(GOOD)
+    del data["summary"]
+    data["hardware"]["gpus"] = []
+    problems = _problems(yaml.safe_dump(data))
+    assert any(p.endswith("summary: Field required") for p in problems)
+    assert any("hardware.gpus" in p and "at least 1 item" in p for p in problems)
+
+
+def test_yaml_syntax_error_has_a_line() -> None:
+    problems = _problems("name: x\nsummary: [unclosed\n")
+    assert problems[0].startswith("line ")
+    assert "not valid YAML" in problems[0]
+
+
+def test_not_a_mapping() -> None:
+    assert _problems("- just\n- a list\n") == ["(manifest): a manifest is a mapping of fields"]
+
+
+def test_cli_exits_2_with_messages_and_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(_mutated("hardware.gpu", ["TPU"]))
+    for command in (["validate", str(bad)], ["check", str(bad)]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2
+        assert "unknown GPU 'TPU'" in result.output
+        assert "Traceback" not in result.output
+
+
+def test_cli_missing_file_exits_2(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["validate", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2
+    assert "cannot read" in result.output

@@ -1,0 +1,98 @@
+"""`pathgate validate` end to end on CPU: exit codes, evidence.json schema, report.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from harness.cli import app
+from harness.evaluation.evidence import SCHEMA_VERSION, Evidence
+
+SCOPES = Path(__file__).resolve().parents[1] / "scopes"
+
+
+def _small_scope(tmp_path: Path, claims: list[dict]) -> Path:
+    data = yaml.safe_load((SCOPES / "fused-add-rmsnorm-h200.yaml").read_text())
+    data["model"]["config"] = {"hidden": 256}
+    data["workload"]["batch"] = {"min": 1, "max": 512}
+    data["claims"] = claims
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _validate(tmp_path: Path, scope: Path, *extra: str) -> tuple[int, str, dict]:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app, ["validate", str(scope), "--device", "cpu", "--quick", "--out", str(out), *extra]
+    )
+    evidence = json.loads((out / "evidence.json").read_text()) if result.exit_code != 2 else {}
+    return result.exit_code, result.output, evidence
+
+
+def test_pass_exits_0_with_evidence_and_report(tmp_path: Path) -> None:
+    code, output, evidence = _validate(tmp_path, _small_scope(tmp_path, []))
+    assert code == 0, output
+    assert output.strip().splitlines()[-1] == "PASS"
+    assert evidence["schema_version"] == SCHEMA_VERSION
+    assert evidence["verdict"] == "PASS"
+    Evidence.model_validate(evidence)  # the file round-trips through the schema
+    cases = evidence["cases"]
+    assert cases and all(c["status"] == "passed" for c in cases)
+    assert any(c["origin"] == "random" for c in cases)
+    for case in cases:
+        perf = case["performance"]
+        assert len(perf["stock_us"]) == len(perf["candidate_us"]) >= 4
+        assert perf["is_gpu_evidence"] is False
+        assert perf["speedup_ci95"][0] <= perf["speedup"] <= perf["speedup_ci95"][1]
+        assert case["correctness"]["trials"][0]["outputs"][0]["error_ratio"] <= 2.0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert report.startswith("# pathgate: fused-add-rmsnorm-h200: **PASS**")
+    assert evidence["run"]["command"] in report
+    assert "--seed" in evidence["run"]["command"]
+
+
+def test_claims_for_other_hardware_exit_3(tmp_path: Path) -> None:
+    claims = [{"metric": "speedup", "at_least": 1.5, "hardware": "H200"}]
+    code, output, evidence = _validate(tmp_path, _small_scope(tmp_path, claims))
+    assert code == 3, output
+    assert evidence["verdict"] == "INCONCLUSIVE"
+    assert evidence["claims"][0]["status"] == "not_measurable"
+    assert "CPU timings are not GPU evidence" in evidence["notes"][0]
+
+
+def test_a_guard_that_raises_exits_1(tmp_path: Path) -> None:
+    data = yaml.safe_load(_small_scope(tmp_path, []).read_text())
+    data["path"]["supports"] = "kernels.fused_add_rmsnorm.fused:forward"  # not a guard
+    scope = tmp_path / "broken.yaml"
+    scope.write_text(yaml.safe_dump(data))
+    code, output, evidence = _validate(tmp_path, scope)
+    assert code == 1, output
+    assert evidence["verdict"] == "FAIL"
+    assert any("raised" in r for r in evidence["verdict_reasons"])
+
+
+def test_not_runnable_scope_says_what_it_needs(tmp_path: Path) -> None:
+    code, output, evidence = _validate(tmp_path, SCOPES / "kimi-k3-mla-moe-decode-gb300.yaml")
+    assert code == 3
+    assert "not runnable here: needs 8x GB300" in output
+    assert evidence["cases"] == []
+
+
+def test_the_seed_reproduces_the_plan_and_the_numbers(tmp_path: Path) -> None:
+    scope = _small_scope(tmp_path, [])
+    _, _, first = _validate(tmp_path, scope, "--seed", "1234")
+    _, _, second = _validate(tmp_path, scope, "--seed", "1234")
+    assert first["run"]["seed"] == second["run"]["seed"] == 1234
+    assert [c["id"] for c in first["cases"]] == [c["id"] for c in second["cases"]]
+    errors = [[t["outputs"] for t in c["correctness"]["trials"]] for c in first["cases"]]
+    assert errors == [[t["outputs"] for t in c["correctness"]["trials"]] for c in second["cases"]]
+
+
+def test_schema_command_prints_json_schema() -> None:
+    result = CliRunner().invoke(app, ["schema"])
+    assert result.exit_code == 0
+    assert "verdict" in json.loads(result.stdout)["properties"]

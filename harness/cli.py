@@ -169,3 +169,7 @@ def main() -> None:
     except KeyboardInterrupt:
         console.print("interrupted")
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

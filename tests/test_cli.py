@@ -55,13 +55,18 @@ def test_pass_exits_0_with_evidence_and_report(tmp_path: Path) -> None:
     assert "--seed" in evidence["run"]["command"]
 
 
-def test_claims_for_other_hardware_exit_3(tmp_path: Path) -> None:
-    claims = [{"metric": "speedup", "at_least": 1.5, "hardware": "H200"}]
+def test_claims_not_measurable_on_cpu_exit_3(tmp_path: Path) -> None:
+    claims = [
+        {"metric": "speedup", "at_least": 1.5, "hardware": "H200"},
+        {"metric": "speedup", "where": {"batch": 1}, "at_least": 1.5},
+    ]
     code, output, evidence = _validate(tmp_path, _small_scope(tmp_path, claims))
     assert code == 3, output
     assert evidence["verdict"] == "INCONCLUSIVE"
-    assert evidence["claims"][0]["status"] == "not_measurable"
-    assert "CPU timings are not GPU evidence" in evidence["notes"][0]
+    assert [c["status"] for c in evidence["claims"]] == ["not_measurable", "not_measurable"]
+    assert evidence["claims"][0]["reason"] == "needs H200; this run was on cpu"
+    assert evidence["claims"][1]["reason"] == "CPU timings are not GPU evidence"
+    assert "not GPU evidence" in evidence["notes"][0]
 
 
 def test_a_guard_that_raises_exits_1(tmp_path: Path) -> None:

@@ -143,7 +143,8 @@ def _candidate_run(
 
 
 def _run(fn: PathFn, weights: Tensors, inputs: Tensors, outputs: Tensors) -> Tensors:
-    fn(weights, inputs, outputs)
+    # The path gets its own dicts: rebinding an entry must not replace the tensors we read back.
+    fn(dict(weights), dict(inputs), dict(outputs))
     if outputs and next(iter(outputs.values())).is_cuda:
         torch.cuda.synchronize()
     return outputs

@@ -44,14 +44,16 @@ def _falls_back_to_stock(path: LoadedPath, probe: Case, seed: int, device: torch
         )
     stock = poisoned(problem.make_outputs(probe, device), float("nan"))
     path.baseline(
-        {k: v.clone() for k, v in weights.items()}, {k: v.clone() for k, v in inputs.items()}, stock
+        {k: v.clone() for k, v in weights.items()},
+        {k: v.clone() for k, v in inputs.items()},
+        dict(stock),
     )
     dispatched = poisoned(problem.make_outputs(probe, device), float("nan"))
     try:
         path.candidate(
             {k: v.clone() for k, v in weights.items()},
             {k: v.clone() for k, v in inputs.items()},
-            dispatched,
+            dict(dispatched),
         )
     except Exception as exc:
         return Crashed(f"the dispatching entry raised on {probe.origin}: {exc!r}")

@@ -182,7 +182,7 @@ def capture_graph(fn: PathFn, layer_set: LayerSet) -> torch.cuda.CUDAGraph:
 
 def run_layers(fn: PathFn, layer_set: LayerSet) -> None:
     for weights, inputs, outputs in layer_set.args:
-        fn(weights, inputs, outputs)
+        fn(dict(weights), dict(inputs), dict(outputs))
 
 
 def eager_us(fn: PathFn, layer_set: LayerSet, device: torch.device) -> float:

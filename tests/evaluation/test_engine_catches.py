@@ -242,24 +242,14 @@ def test_guard_accepting_everything_fails_every_probe() -> None:
     )
 
 
-# Known engine hole: correctness.py (_candidate_run / _run) and guard.py (_falls_back_to_stock)
-# read outputs and inputs back through the dicts handed to the candidate, so a candidate that
-# rebinds a dict entry instead of writing the tensor in place escapes the checks.
-ENGINE_READS_REBOUND_DICTS = pytest.mark.xfail(
-    strict=True,
-    reason="engine reads outputs/inputs through the dicts it passed; rebinding an entry hides "
-    "unwritten outputs and in-place input changes",
-)
-
-
-@ENGINE_READS_REBOUND_DICTS
+# A candidate that rebinds a dict entry instead of writing the tensor in place must not escape:
+# the engine hands each call its own dicts and reads back the tensors it allocated.
 def test_rebinding_outputs_is_never_written() -> None:
     evidence = run("rebinds_outputs_forward")
     assert evidence.verdict == "FAIL"
     assert all("never written" in joined(c.reasons) for c in evidence.cases)
 
 
-@ENGINE_READS_REBOUND_DICTS
 def test_hidden_input_change_is_caught() -> None:
     evidence = run("hides_input_change_forward")
     assert evidence.verdict == "FAIL"

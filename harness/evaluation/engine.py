@@ -45,7 +45,8 @@ from harness.evaluation.timing import (
     eager_us,
     l2_cache_bytes,
     sample_interleaved,
-    step_runner,
+    speedup_interval,
+    step_runners,
 )
 from harness.evaluation.verdict import check_claim, decide
 from scopes.manifest import ScopeManifest
@@ -186,14 +187,15 @@ def measure_case(
 ) -> PerformanceEvidence:
     max_layers = options.max_layers or (64 if device.type == "cuda" else 2)
     layer_set = build_layers(path, case, secret_seed, device, max_layers)
-    stock_step = step_runner(path.baseline, layer_set, device)
-    candidate_step = step_runner(path.candidate, layer_set, device)
     stop = options.stop or default_stop_rule(device, options.quick)
+    stock_steps = step_runners(path.baseline, layer_set, device, stop.captures)
+    candidate_steps = step_runners(path.candidate, layer_set, device, stop.captures)
     seed = derive_seed(secret_seed, case.id, "bootstrap")
-    timing = sample_interleaved(stock_step, candidate_step, layer_set, device, stop, seed)
-    stock_profile = profile_step(stock_step, timing.layers, device)
-    candidate_profile = profile_step(candidate_step, timing.layers, device)
-    speedup, *speedup_ci = speedup_ci95(timing.stock_us, timing.candidate_us, seed)
+    timing = sample_interleaved(stock_steps, candidate_steps, layer_set, device, stop, seed)
+    stock_profile = profile_step(stock_steps[0], timing.layers, device)
+    candidate_profile = profile_step(candidate_steps[0], timing.layers, device)
+    speedup, speedup_ci, spread = speedup_interval(timing, seed)
+    _, *sampling_ci = speedup_ci95(timing.stock_us, timing.candidate_us, seed)
     stock_median, *stock_ci = median_ci95(timing.stock_us, seed)
     cand_median, *cand_ci = median_ci95(timing.candidate_us, seed)
     bytes_moved = _bytes_moved(path, case)
@@ -211,7 +213,10 @@ def measure_case(
         candidate_us_median=cand_median,
         candidate_us_ci95=(cand_ci[0], cand_ci[1]),
         speedup=speedup,
-        speedup_ci95=(speedup_ci[0], speedup_ci[1]),
+        speedup_ci95=speedup_ci,
+        speedup_ci95_sampling=(sampling_ci[0], sampling_ci[1]),
+        captures=len(stock_steps),
+        capture_spread=spread,
         stop_reason=timing.stop_reason,
         stock_eager_us=eager_us(path.baseline, layer_set, device),
         candidate_eager_us=eager_us(path.candidate, layer_set, device),
@@ -219,6 +224,8 @@ def measure_case(
         candidate_kernels_per_layer=candidate_profile.kernels_per_layer,
         stock_kernel_us_per_layer=stock_profile.kernel_us_per_layer,
         candidate_kernel_us_per_layer=candidate_profile.kernel_us_per_layer,
+        stock_kernel_span_us_per_layer=stock_profile.span_us_per_layer,
+        candidate_kernel_span_us_per_layer=candidate_profile.span_us_per_layer,
         kernel_source=candidate_profile.source,
         candidate_kernel_names=list(candidate_profile.kernel_names),
         bytes_moved=bytes_moved,

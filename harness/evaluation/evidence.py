@@ -54,14 +54,20 @@ class PerformanceEvidence(Model):
     candidate_us_median: float
     candidate_us_ci95: tuple[float, float]
     speedup: float
+    # the sampling (bootstrap) interval widened by capture_spread: what claims are judged on
     speedup_ci95: tuple[float, float]
+    speedup_ci95_sampling: tuple[float, float]
+    captures: int  # CUDA graphs captured per path; samples rotate through them
+    capture_spread: float  # relative range of per-capture medians, stock + candidate
     stop_reason: str
     stock_eager_us: float | None
     candidate_eager_us: float | None
     stock_kernels_per_layer: float | None
     candidate_kernels_per_layer: float | None
-    stock_kernel_us_per_layer: float | None
+    stock_kernel_us_per_layer: float | None  # summed kernel durations (busy time)
     candidate_kernel_us_per_layer: float | None
+    stock_kernel_span_us_per_layer: float | None  # first kernel start to last kernel end
+    candidate_kernel_span_us_per_layer: float | None
     kernel_source: str | None
     candidate_kernel_names: list[str]
     bytes_moved: int | None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd import DeviceType
@@ -17,7 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 @dataclass(frozen=True)
 class KernelProfile:
     kernels_per_layer: float
-    kernel_us_per_layer: float
+    kernel_us_per_layer: float  # summed kernel durations: busy time
+    span_us_per_layer: float  # first kernel start to last kernel end: busy time plus gaps
     source: str  # "cupti" (GPU kernels) or "cpu-ops" (top-level torch ops; not GPU evidence)
     kernel_names: tuple[str, ...]  # distinct names, in first-launch order
 
@@ -34,15 +36,22 @@ def _profile_cuda(step: Callable[[], None], layers: int) -> KernelProfile:
         step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    total_us = sum(e.time_range.elapsed_us() for e in kernels)
-    names = tuple(dict.fromkeys(e.name for e in kernels))
-    return KernelProfile(len(kernels) / layers, total_us / layers, "cupti", names)
+    return _summary(kernels, layers, "cupti")
 
 
 def _profile_cpu(step: Callable[[], None], layers: int) -> KernelProfile:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     top_level = [e for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
-    total_us = sum(e.time_range.elapsed_us() for e in top_level)
-    names = tuple(dict.fromkeys(e.name for e in top_level))
-    return KernelProfile(len(top_level) / layers, total_us / layers, "cpu-ops", names)
+    return _summary(top_level, layers, "cpu-ops")
+
+
+def _summary(events: list[Any], layers: int, source: str) -> KernelProfile:
+    busy_us = sum(e.time_range.elapsed_us() for e in events)
+    span_us = (
+        max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
+        if events
+        else 0.0
+    )
+    names = tuple(dict.fromkeys(e.name for e in events))
+    return KernelProfile(len(events) / layers, busy_us / layers, span_us / layers, source, names)

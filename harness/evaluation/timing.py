@@ -28,11 +28,18 @@ Tensors = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class StopRule:
+    """Sample at least min_pairs; then stop at max_pairs, after max_seconds, or once the
+    speedup's 95% CI is narrower than ci_relative_width of its value."""
+
     min_pairs: int = 30
     max_pairs: int = 1000
     max_seconds: float = 10.0
     ci_relative_width: float = 0.01  # stop once (high - low) / point of the speedup is below
     pairs_per_batch: int = 10  # pairs enqueued between two checks of the rule
+    # CUDA graphs captured per path. Two captures of the same code can differ by ~1% (their
+    # intermediates land at other addresses); batches rotate through the captures and the
+    # spread between them widens the reported interval.
+    captures: int = 3
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Timing:
     working_set_bytes: int
     stock_us: list[float] = field(default_factory=list)  # per layer, one entry per sample
     candidate_us: list[float] = field(default_factory=list)
+    capture_index: list[int] = field(default_factory=list)  # which capture each pair used
     stop_reason: str = ""
 
 
@@ -90,27 +98,37 @@ def _bytes(args: tuple[Tensors, Tensors, Tensors]) -> int:
 
 
 def sample_interleaved(
-    stock: Callable[[], None],
-    candidate: Callable[[], None],
+    stock: list[Callable[[], None]],
+    candidate: list[Callable[[], None]],
     layer_set: LayerSet,
     device: torch.device,
     stop: StopRule,
     seed: int,
 ) -> Timing:
-    """A B, B A, ... in batches, until the speedup CI is narrow enough or time runs out."""
+    """A B, B A, ... in batches, until the speedup CI is narrow enough or time runs out.
+
+    stock and candidate hold one step runner per capture; batch k uses capture k % captures.
+    """
     method = "cuda-graph" if device.type == "cuda" else "cpu-host-clock"
     timing = Timing(method, len(layer_set.args), layer_set.working_set_bytes)
     started = time.perf_counter()
+    batch = 0
     while True:
-        for stock_us, candidate_us in timed_pairs(stock, candidate, stop.pairs_per_batch, device):
+        capture = batch % len(stock)
+        new_pairs = timed_pairs(stock[capture], candidate[capture], stop.pairs_per_batch, device)
+        for stock_us, candidate_us in new_pairs:
             timing.stock_us.append(stock_us / timing.layers)
             timing.candidate_us.append(candidate_us / timing.layers)
+            timing.capture_index.append(capture)
+        batch += 1
         pairs = len(timing.stock_us)
+        if pairs < stop.min_pairs:
+            continue  # the minimum comes first: fewer pairs give no usable interval
         if pairs >= stop.max_pairs:
             timing.stop_reason = f"reached {stop.max_pairs} sample pairs"
         elif time.perf_counter() - started > stop.max_seconds:
             timing.stop_reason = f"time cap of {stop.max_seconds:g} s after {pairs} pairs"
-        elif pairs >= stop.min_pairs:
+        else:
             point, low, high = speedup_ci95(timing.stock_us, timing.candidate_us, seed)
             if (high - low) / point < stop.ci_relative_width:
                 timing.stop_reason = (
@@ -120,12 +138,34 @@ def sample_interleaved(
             return timing
 
 
-def step_runner(fn: PathFn, layer_set: LayerSet, device: torch.device) -> Callable[[], None]:
-    """A no-argument call that runs one step (all layers): a graph replay on CUDA."""
+def step_runners(
+    fn: PathFn, layer_set: LayerSet, device: torch.device, captures: int
+) -> list[Callable[[], None]]:
+    """No-argument calls that each run one step (all layers): graph replays on CUDA, one per
+    capture; on CPU a single eager runner."""
     if device.type == "cuda":
-        return capture_graph(fn, layer_set).replay
+        return [capture_graph(fn, layer_set).replay for _ in range(captures)]
     run_layers(fn, layer_set)  # warm up
-    return lambda: run_layers(fn, layer_set)
+    return [lambda: run_layers(fn, layer_set)]
+
+
+def speedup_interval(timing: Timing, seed: int) -> tuple[float, tuple[float, float], float]:
+    """(speedup, 95% CI, capture spread): the bootstrap interval of median(stock) /
+    median(candidate), widened on each side by the two arms' capture spreads."""
+    point, low, high = speedup_ci95(timing.stock_us, timing.candidate_us, seed)
+    spread = capture_spread(timing.stock_us, timing.capture_index) + capture_spread(
+        timing.candidate_us, timing.capture_index
+    )
+    return point, (low * (1 - spread), high * (1 + spread)), spread
+
+
+def capture_spread(samples_us: list[float], capture_index: list[int]) -> float:
+    """Relative range of the per-capture medians of one arm: 0 for a single capture."""
+    medians = [
+        median([s for s, c in zip(samples_us, capture_index, strict=True) if c == capture])
+        for capture in sorted(set(capture_index))
+    ]
+    return (max(medians) - min(medians)) / median(samples_us)
 
 
 def timed_pairs(

@@ -57,9 +57,13 @@ def make_manifest(
 
 
 def run(
-    candidate: str, supports: str = "honest_supports", seed: int = SEED, **tolerance: Any
+    candidate: str,
+    supports: str = "honest_supports",
+    seed: int = SEED,
+    device: str = "cpu",
+    **tolerance: Any,
 ) -> Evidence:
-    options = EngineOptions(device="cpu", quick=True, seed=seed, trials=2, stop=FAST_STOP)
+    options = EngineOptions(device=device, quick=True, seed=seed, trials=2, stop=FAST_STOP)
     return evaluate(make_manifest(candidate, supports, **tolerance), options)
 
 
@@ -254,3 +258,27 @@ def test_hidden_input_change_is_caught() -> None:
     evidence = run("hides_input_change_forward")
     assert evidence.verdict == "FAIL"
     assert all("modified its input 'x'" in joined(c.reasons) for c in evidence.cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("candidate", "supports", "reason"),
+    [
+        ("honest_forward", "honest_supports", None),
+        ("wrong_off_grid_forward", "honest_supports", BUDGET_REASON),
+        ("nan_output_forward", "honest_supports", "NaN/Inf"),
+        ("unwritten_tail_forward", "honest_supports", "never written"),
+        ("modifies_inputs_forward", "honest_supports", "modified its input 'x'"),
+        ("nondeterministic_forward", "honest_supports", "non-deterministic"),
+        ("rebinds_outputs_forward", "honest_supports", "never written"),
+        ("honest_forward", "accept_everything_supports", "guard accepts an out-of-scope case"),
+    ],
+)
+def test_the_same_catches_on_cuda(candidate: str, supports: str, reason: str | None) -> None:
+    evidence = run(candidate, supports, device="cuda")
+    if reason is None:
+        assert evidence.verdict == "PASS", evidence.verdict_reasons
+        assert all(c.performance and c.performance.method == "cuda-graph" for c in evidence.cases)
+    else:
+        assert evidence.verdict == "FAIL"
+        assert reason in joined(evidence.verdict_reasons)

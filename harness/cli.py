@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import shlex
+import secrets
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -48,12 +48,14 @@ def validate(
 ) -> None:
     """Run the scope's plan: correctness, timing and claims, stock vs candidate; exit 0 on PASS,
     1 on FAIL, 3 on INCONCLUSIVE, 2 on a bad manifest or usage."""
-    from harness.evaluation.engine import EngineOptions, evaluate
+    from harness.evaluation.engine import EngineOptions, evaluate, reproduce_command
     from harness.reports.markdown import render_markdown
 
     manifest = _load_or_exit(scope)
     out_dir = out or get_settings().output_dir / manifest.name
-    options = EngineOptions(device=device.value, quick=quick, seed=seed)
+    command_seed = seed if seed is not None else secrets.randbits(63)
+    command = reproduce_command(str(scope), device.value, quick, command_seed)
+    options = EngineOptions(device=device.value, quick=quick, seed=command_seed, command=command)
     try:
         with _progress() as progress:
             task = progress.add_task("starting", total=None)
@@ -65,7 +67,6 @@ def validate(
     except DeviceUnavailable as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(EXIT_USAGE) from None
-    evidence.run.command = _reproduce_command(scope, device.value, quick, evidence.run.seed)
     _write(out_dir, evidence, render_markdown(evidence))
     _print_summary(evidence, out_dir)
     raise typer.Exit(EXIT_CODES[evidence.verdict])
@@ -82,6 +83,98 @@ def check(scope: Annotated[Path, typer.Argument(help="scope manifest")]) -> None
 def schema() -> None:
     """Print the JSON Schema of evidence.json."""
     out_console.print_json(json.dumps(Evidence.model_json_schema()))
+
+
+db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(token_app, name="token")
+
+
+class Role(StrEnum):
+    contributor = "contributor"
+    maintainer = "maintainer"
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
+    """Apply migrations up to REVISION (default: the newest)."""
+    from harness.store.migrate import upgrade
+
+    upgrade(get_settings().database_url, revision)
+    out_console.print(f"database at {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument()] = "base") -> None:
+    """Revert migrations down to REVISION (default: an empty database)."""
+    from harness.store.migrate import downgrade
+
+    downgrade(get_settings().database_url, revision)
+    out_console.print(f"database at {revision}")
+
+
+@token_app.command("create")
+def token_create(
+    role: Annotated[Role, typer.Option(help="contributor or maintainer")],
+    name: Annotated[str, typer.Option(help="who or what holds it")],
+) -> None:
+    """Create an API token; the token is printed once, as the last word of the output."""
+    from harness.store import repositories as repo
+    from harness.store.db import session_scope
+
+    with session_scope() as session:
+        token, plaintext = repo.create_token(session, name, role.value)
+        repo.record_audit(session, "cli", "token.create", f"token:{token.id}", {"role": role.value})
+    print(f"created {role.value} token {token.id} for {name}: {plaintext}")
+
+
+@app.command()
+def worker(
+    queues: Annotated[str | None, typer.Option(help="comma-separated; default: detected")] = None,
+) -> None:
+    """Run a Celery worker consuming the queues this machine's hardware can serve."""
+    from workers.run import run_worker
+
+    run_worker(queues.split(",") if queues else None)
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    embedded_worker: Annotated[bool, typer.Option(help="also run a worker here")] = True,
+) -> None:
+    """Run the API, with an embedded worker by default (SQLite and an embedded broker need no
+    server)."""
+    from workers.run import serve_all
+
+    serve_all(host, port, embedded_worker)
+
+
+@app.command()
+def submit(
+    scope: Annotated[Path, typer.Argument(help="scope manifest")],
+    server: Annotated[str, typer.Option(help="base URL of a pathgate service")],
+    token: Annotated[str, typer.Option(help="API token")],
+    git_url: Annotated[str | None, typer.Option(help="source repository (else in-tree)")] = None,
+    git_sha: Annotated[str | None, typer.Option(help="commit SHA (40 hex)")] = None,
+    wait: Annotated[bool, typer.Option(help="wait for the verdict")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait")] = 3600.0,
+) -> None:
+    """Submit a scope to a pathgate service; with --wait, exit like `validate` on its verdict."""
+    from harness.client import SubmitError, submit_and_wait
+
+    _load_or_exit(scope)
+    try:
+        final = submit_and_wait(
+            server, token, scope.read_text(), git_url, git_sha, wait, timeout, out_console.print
+        )
+    except SubmitError as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    # a job that errored or timed out has no verdict: exit 1 like a FAIL
+    raise typer.Exit(EXIT_CODES.get(final, 1) if wait else 0)
 
 
 def _load_or_exit(scope: Path) -> ScopeManifest:
@@ -103,11 +196,6 @@ def _progress() -> Progress:
         console=console,
         transient=True,
     )
-
-
-def _reproduce_command(scope: Path, device: str, quick: bool, seed: int) -> str:
-    parts = ["pathgate", "validate", str(scope), "--device", device, "--seed", str(seed)]
-    return shlex.join(parts + (["--quick"] if quick else []))
 
 
 def _write(out_dir: Path, evidence: Evidence, markdown: str) -> None:

@@ -9,6 +9,7 @@ sequences them and turns their results into evidence.
 from __future__ import annotations
 
 import secrets
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -95,6 +96,9 @@ def evaluate(
             cases, probes = _run_plan(path, plan, manifest, host, secret_seed, options, progress)
     claims = [check_claim(claim, cases, host.gpu) for claim in manifest.claims]
     verdict, reasons = decide(cases, probes, claims, list(plan.not_run))
+    command = options.command or reproduce_command(
+        f"scopes/{manifest.name}.yaml", host.device, options.quick, secret_seed
+    )
     return Evidence(
         verdict=verdict,
         verdict_reasons=reasons,
@@ -106,7 +110,7 @@ def evaluate(
             quick=options.quick,
             started_at=started_at,
             finished_at=_now(),
-            command=options.command,
+            command=command,
         ),
         environment=fingerprint(host),
         not_run=list(plan.not_run),
@@ -233,6 +237,11 @@ def measure_case(
         candidate_hbm_fraction=_fraction(bytes_moved, cand_median, bandwidth),
         stock_hbm_fraction=_fraction(bytes_moved, stock_median, bandwidth),
     )
+
+
+def reproduce_command(scope_path: str, device: str, quick: bool, seed: int) -> str:
+    parts = ["pathgate", "validate", scope_path, "--device", device, "--seed", str(seed)]
+    return shlex.join(parts + (["--quick"] if quick else []))
 
 
 def _bytes_moved(path: LoadedPath, case: Case) -> int | None:

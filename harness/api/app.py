@@ -1,0 +1,72 @@
+"""The FastAPI application: routes under /v1, one error handler, limits, metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from harness import __version__
+from harness.api import health, submissions
+from harness.api.limits import BodySizeLimit, RateLimiter, TooManyRequests
+from harness.config import get_settings
+from harness.errors import PathgateError
+
+log = logging.getLogger(__name__)
+Enqueue = Callable[[int, str], None]
+
+
+def create_app(enqueue: Enqueue | None = None) -> FastAPI:
+    settings = get_settings()
+    app = FastAPI(
+        title="pathgate",
+        version=__version__,
+        description="Validation gate for specialized inference paths.",
+    )
+    app.state.enqueue = enqueue or _celery_enqueue
+    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_minute)
+    app.include_router(health.router)
+    app.include_router(submissions.router)
+    app.add_exception_handler(PathgateError, _pathgate_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.middleware("http")(_observe)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+def _celery_enqueue(job_id: int, queue: str) -> None:
+    from workers.celery_app import enqueue
+
+    enqueue(job_id, queue)
+
+
+async def _pathgate_error(request: Request, exc: PathgateError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooManyRequests) else None
+    body = {"detail": exc.message, "errors": exc.details}
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+    return JSONResponse({"detail": "invalid request", "errors": errors}, status_code=422)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return JSONResponse({"detail": "internal error; it has been logged"}, status_code=500)
+
+
+async def _observe(
+    request: Request, call_next: Callable[[Request], Awaitable[Response]]
+) -> Response:
+    started = time.perf_counter()
+    response = await call_next(request)
+    route = getattr(request.scope.get("route"), "path", "unmatched")
+    health.REQUESTS.labels(request.method, route, response.status_code).inc()
+    health.LATENCY.labels(request.method, route).observe(time.perf_counter() - started)
+    return response

@@ -1,0 +1,85 @@
+"""Request limits: body size (413) and a per-token rate (429 with Retry-After)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from harness.errors import PathgateError
+
+
+class TooManyRequests(PathgateError):
+    status_code = 429
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"rate limit reached; retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class RateLimiter:
+    """Sliding one-minute window per token, in this process's memory."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._hits: dict[int, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def check(self, token_id: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            hits = self._hits.setdefault(token_id, deque())
+            while hits and hits[0] <= now - 60:
+                hits.popleft()
+            if len(hits) >= self.per_minute:
+                raise TooManyRequests(max(1, math.ceil(hits[0] + 60 - now)))
+            hits.append(now)
+
+
+class BodySizeLimit:
+    """413 for a body over max_bytes, by Content-Length or by counting a streamed body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _too_large(send, self.max_bytes)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            await _too_large(send, self.max_bytes)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _too_large(send: Send, max_bytes: int) -> None:
+    body = f'{{"detail":"request body over {max_bytes} bytes"}}'.encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

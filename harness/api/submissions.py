@@ -1,0 +1,108 @@
+"""Routes: submit, list, read, reports, rerun, and checking a manifest without submitting."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse
+
+from harness import submissions
+from harness.api.deps import CurrentToken, Maintainer, SessionDep, owner_filter
+from harness.api.schemas import (
+    JobRead,
+    ManifestCheck,
+    ManifestValid,
+    SubmissionCreate,
+    SubmissionCreated,
+    SubmissionPage,
+    SubmissionRead,
+)
+from harness.config import get_settings
+from harness.errors import NotFound
+from harness.reports.combined import combined_report, render_combined_html, render_combined_markdown
+from harness.store import repositories as repo
+from harness.store.models import Submission
+from workers.routing import queues_for_manifest
+
+router = APIRouter(prefix="/v1")
+SubmissionState = Literal[
+    "queued",
+    "running",
+    "passed",
+    "failed",
+    "inconclusive",
+    "error",
+    "timed_out",
+    "waiting_for_hardware",
+]
+
+
+@router.post("/submissions", status_code=201, response_model=SubmissionCreated)
+def create_submission(
+    body: SubmissionCreate, session: SessionDep, token: CurrentToken
+) -> SubmissionCreated:
+    source = submissions.Source(**body.source.model_dump())
+    live = repo.live_queues(session, get_settings().worker_stale_after_s)
+    submission = submissions.submit(session, body.manifest, source, token, live)
+    return SubmissionCreated(id=submission.id, state=submission.state)
+
+
+@router.get("/submissions", response_model=SubmissionPage)
+def list_submissions(
+    session: SessionDep,
+    token: CurrentToken,
+    state: Annotated[SubmissionState | None, Query()] = None,
+    scope: Annotated[str | None, Query(max_length=64)] = None,
+    verdict: Annotated[Literal["PASS", "FAIL", "INCONCLUSIVE"] | None, Query()] = None,
+    page: Annotated[int, Query(ge=1, le=100_000)] = 1,
+    per_page: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> SubmissionPage:
+    filters = repo.SubmissionFilter(state, scope, verdict, owner_filter(token))
+    rows, total = repo.list_submissions(session, filters, (page - 1) * per_page, per_page)
+    items = [SubmissionRead.model_validate(row) for row in rows]
+    return SubmissionPage(items=items, total=total, page=page, per_page=per_page)
+
+
+@router.get("/submissions/{submission_id}", response_model=SubmissionRead)
+def read_submission(submission_id: int, session: SessionDep, token: CurrentToken) -> SubmissionRead:
+    return SubmissionRead.model_validate(_visible(session, submission_id, token))
+
+
+@router.get("/submissions/{submission_id}/report.json")
+def report_json(submission_id: int, session: SessionDep, token: CurrentToken) -> dict:
+    submission = _visible(session, submission_id, token)
+    return combined_report(session, submission)
+
+
+@router.get("/submissions/{submission_id}/report.md", response_class=PlainTextResponse)
+def report_markdown(submission_id: int, session: SessionDep, token: CurrentToken) -> str:
+    submission = _visible(session, submission_id, token)
+    return render_combined_markdown(combined_report(session, submission))
+
+
+@router.get("/submissions/{submission_id}/report.html", response_class=HTMLResponse)
+def report_html(submission_id: int, session: SessionDep, token: CurrentToken) -> str:
+    submission = _visible(session, submission_id, token)
+    return render_combined_html(combined_report(session, submission))
+
+
+@router.post("/submissions/{submission_id}/rerun", status_code=201, response_model=list[JobRead])
+def rerun(submission_id: int, session: SessionDep, token: Maintainer) -> list[JobRead]:
+    live = repo.live_queues(session, get_settings().worker_stale_after_s)
+    jobs = submissions.rerun(session, submission_id, token, live)
+    return [JobRead.model_validate(job) for job in jobs]
+
+
+@router.post("/scopes/validate", response_model=ManifestValid)
+def validate_scope(body: ManifestCheck, request: Request, token: CurrentToken) -> ManifestValid:
+    manifest, _ = submissions.parse_manifest(body.manifest)
+    return ManifestValid(name=manifest.name, queues=queues_for_manifest(manifest))
+
+
+def _visible(session: SessionDep, submission_id: int, token: CurrentToken) -> Submission:
+    """Another contributor's submission is 404, not 403: its existence is not disclosed."""
+    submission = repo.get_submission(session, submission_id, owner_filter(token))
+    if submission is None:
+        raise NotFound(f"no submission {submission_id}")
+    return submission

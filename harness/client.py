@@ -1,0 +1,78 @@
+"""`pathgate submit`: the HTTP client of the service."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+
+FINISHED = {"passed", "failed", "inconclusive", "error", "timed_out"}
+POLL_S = 2.0
+
+
+class SubmitError(Exception):
+    pass
+
+
+def submit_and_wait(
+    server: str,
+    token: str,
+    manifest: str,
+    git_url: str | None,
+    git_sha: str | None,
+    wait: bool,
+    timeout_s: float,
+    say: Callable[[str], None],
+) -> str:
+    """Submit; return the verdict (PASS / FAIL / INCONCLUSIVE) or the final state when waiting,
+    else "submitted"."""
+    source = {"kind": "git", "url": git_url, "sha": git_sha} if git_url else {"kind": "in_tree"}
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=30) as client:
+        created = _call(client, "POST", "/v1/submissions", {"manifest": manifest, "source": source})
+        submission_id = created["id"]
+        say(f"submission {submission_id}: {created['state']}")
+        if not wait:
+            return "submitted"
+        return _wait(client, submission_id, timeout_s, say)
+
+
+def _wait(
+    client: httpx.Client, submission_id: int, timeout_s: float, say: Callable[[str], None]
+) -> str:
+    deadline = time.monotonic() + timeout_s
+    last_state = ""
+    while time.monotonic() < deadline:
+        submission = _call(client, "GET", f"/v1/submissions/{submission_id}")
+        if submission["state"] != last_state:
+            last_state = submission["state"]
+            say(f"submission {submission_id}: {last_state}")
+            for reason in submission["verdict_reasons"]:
+                say(f"  - {reason}")
+        if last_state in FINISHED:
+            return str(submission["verdict"] or last_state)
+        time.sleep(POLL_S)
+    raise SubmitError(f"no verdict after {timeout_s:.0f} s (state: {last_state})")
+
+
+def _call(client: httpx.Client, method: str, path: str, body: dict | None = None) -> dict:
+    try:
+        response = client.request(method, path, json=body)
+    except httpx.HTTPError as exc:
+        raise SubmitError(f"cannot reach {client.base_url}: {exc}") from None
+    if response.status_code >= 400:
+        raise SubmitError(_describe(response))
+    return response.json()  # type: ignore[no-any-return]
+
+
+def _describe(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text[:500]}"
+    lines = [f"HTTP {response.status_code}: {body.get('detail')}"]
+    for error in body.get("errors", []):
+        loc = ".".join(str(p) for p in error.get("loc", []))
+        lines.append(f"  {loc}: {error.get('msg')}")
+    return "\n".join(lines)

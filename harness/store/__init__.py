@@ -1,0 +1,1 @@
+"""Persistence: SQLAlchemy models (models.py), sessions (db.py), every query (repositories.py)."""

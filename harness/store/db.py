@@ -1,0 +1,56 @@
+"""Engines and sessions. The caller that opens a session owns its commit (request or task)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from harness.config import get_settings
+
+
+@lru_cache
+def engine_for(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+
+
+def _sqlite_pragmas(connection, _record) -> None:  # type: ignore[no-untyped-def]
+    # WAL lets the API read while a worker writes; foreign keys are off by default in SQLite.
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def get_engine() -> Engine:
+    return engine_for(get_settings().database_url)
+
+
+@lru_cache
+def _factory(url: str) -> sessionmaker[Session]:
+    return sessionmaker(engine_for(url), expire_on_commit=False)
+
+
+def new_session() -> Session:
+    return _factory(get_settings().database_url)()
+
+
+@contextmanager
+def session_scope() -> Iterator[Session]:
+    """A unit of work: commit on success, roll back on error."""
+    session = new_session()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()

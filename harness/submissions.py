@@ -1,0 +1,266 @@
+"""The submission service: the logic between the API (or a task) and the store.
+
+Submitting validates the manifest, stores the submission with one job per hardware target, and
+arranges for the jobs to be enqueued once the transaction commits. Recording an outcome stores
+the job's evidence (append-only) and recomputes the submission's state and verdict.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import yaml
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+
+from harness.errors import InvalidInput, NotFound
+from harness.evaluation.evidence import Evidence
+from harness.reports.markdown import render_markdown
+from harness.store import repositories as repo
+from harness.store.models import (
+    FINISHED_STATES,
+    ApiToken,
+    CaseResult,
+    Job,
+    Report,
+    Submission,
+    utcnow,
+)
+from scopes.manifest import ManifestError, ScopeManifest, load_manifest, validate_manifest
+from workers.routing import queues_for_manifest
+
+Enqueue = Callable[[int, str], None]  # (job id, queue)
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: Literal["in_tree", "git"]
+    url: str | None = None
+    sha: str | None = None
+
+
+def parse_manifest(body: str | dict[str, Any]) -> tuple[ScopeManifest, str]:
+    """The validated manifest and its text; InvalidInput (422) lists every problem."""
+    try:
+        if isinstance(body, str):
+            return load_manifest(body), body
+        return validate_manifest(body), yaml.safe_dump(body, sort_keys=False)
+    except ManifestError as exc:
+        details = [
+            {
+                "loc": ["body", "manifest", *p.field.split(".")]
+                if p.field
+                else ["body", "manifest"],
+                "msg": p.message,
+                "line": p.line,
+            }
+            for p in exc.problems
+        ]
+        raise InvalidInput("invalid scope manifest", details) from None
+
+
+def submit(
+    session: Session,
+    body: str | dict[str, Any],
+    source: Source,
+    submitter: ApiToken,
+    live_queues: set[str],
+) -> Submission:
+    manifest, text = parse_manifest(body)
+    submission = Submission(
+        scope=manifest.name,
+        manifest_text=text,
+        manifest=manifest.model_dump(mode="json"),
+        source_kind=source.kind,
+        source_url=source.url,
+        source_sha=source.sha,
+        submitter_id=submitter.id,
+        state="queued",
+    )
+    jobs = repo.add_submission(session, submission, queues_for_manifest(manifest))
+    _route(session, jobs, live_queues)
+    refresh_state(session, submission)
+    repo.record_audit(
+        session,
+        submitter.name,
+        "submission.create",
+        f"submission:{submission.id}",
+        {"scope": manifest.name, "queues": [j.queue for j in jobs]},
+    )
+    return submission
+
+
+def rerun(
+    session: Session, submission_id: int, actor: ApiToken, live_queues: set[str]
+) -> list[Job]:
+    """New jobs for every hardware target; earlier jobs and their evidence stay as they were."""
+    submission = repo.get_submission(session, submission_id, owner_id=None)
+    if submission is None:
+        raise NotFound(f"no submission {submission_id}")
+    manifest = validate_manifest(submission.manifest)
+    jobs = repo.add_jobs(session, submission, queues_for_manifest(manifest))
+    _route(session, jobs, live_queues)
+    refresh_state(session, submission, jobs)
+    repo.record_audit(
+        session,
+        actor.name,
+        "submission.rerun",
+        f"submission:{submission.id}",
+        {"jobs": [j.id for j in jobs]},
+    )
+    return jobs
+
+
+def _route(session: Session, jobs: list[Job], live_queues: set[str]) -> None:
+    """Every job is enqueued; one whose queue no live worker serves says so while it waits."""
+    for job in jobs:
+        if job.queue not in live_queues:
+            job.state = "waiting_for_hardware"
+            job.reason = f"no live worker serves queue {job.queue}"
+        enqueue_after_commit(session, job)
+
+
+def enqueue_after_commit(session: Session, job: Job) -> None:
+    session.info.setdefault("pending_enqueues", []).append((job.id, job.queue))
+
+
+def install_enqueue_hook(session: Session, enqueue: Enqueue) -> None:
+    """Send the session's pending jobs to the broker only once its transaction has committed, so a
+    worker never receives a job id that is not in the database yet."""
+
+    @event.listens_for(session, "after_commit")
+    def _send(committed: Session) -> None:
+        pending = committed.info.pop("pending_enqueues", [])
+        for job_id, queue in pending:
+            enqueue(job_id, queue)
+
+    @event.listens_for(session, "after_rollback")
+    def _drop(rolled_back: Session) -> None:
+        rolled_back.info.pop("pending_enqueues", None)
+
+
+def refresh_state(session: Session, submission: Submission, jobs: list[Job] | None = None) -> None:
+    """The submission's state and verdict from its current round of jobs."""
+    jobs = jobs if jobs is not None else _current_round(repo.jobs_of(session, submission.id))
+    states = {job.state for job in jobs}
+    verdicts = [job.verdict for job in jobs if job.verdict]
+    if "FAIL" in verdicts:
+        submission.state, submission.verdict = "failed", "FAIL"
+    elif "running" in states:
+        submission.state = "running"
+    elif "queued" in states:
+        submission.state = "queued"
+    elif "waiting_for_hardware" in states:
+        submission.state = "waiting_for_hardware"
+    else:
+        _finish_submission(session, submission, jobs)
+    submission.verdict_reasons = _reasons(session, submission, jobs)
+
+
+def _current_round(jobs: list[Job]) -> list[Job]:
+    """The latest job per queue: a rerun replaces the previous round in the summary only."""
+    latest: dict[str, Job] = {}
+    for job in jobs:
+        latest[job.queue] = job
+    return list(latest.values())
+
+
+def _finish_submission(session: Session, submission: Submission, jobs: list[Job]) -> None:
+    states = {job.state for job in jobs}
+    for state in ("timed_out", "error"):
+        if state in states:
+            submission.state, submission.verdict = state, None
+            return
+    evidences = [
+        Evidence.model_validate(r.evidence) for r in repo.reports_of(session, [j.id for j in jobs])
+    ]
+    verdict = combined_verdict(evidences)
+    submission.verdict = verdict
+    submission.state = {"PASS": "passed", "FAIL": "failed", "INCONCLUSIVE": "inconclusive"}[verdict]
+
+
+def combined_verdict(evidences: list[Evidence]) -> str:
+    """One verdict over jobs on different hardware: a claim counts as verified when any job
+    verified it (each claim names the hardware it needs), refuted when any job refuted it."""
+    if not evidences or any(e.verdict == "FAIL" for e in evidences):
+        return "FAIL" if evidences else "INCONCLUSIVE"
+    if not any(e.cases for e in evidences):
+        return "INCONCLUSIVE"
+    claim_count = len(evidences[0].claims)
+    for index in range(claim_count):
+        if not any(e.claims[index].status == "verified" for e in evidences):
+            return "INCONCLUSIVE"
+    return "PASS"
+
+
+def _reasons(session: Session, submission: Submission, jobs: list[Job]) -> list[str]:
+    reasons = []
+    for job in jobs:
+        if job.state in FINISHED_STATES and job.state not in ("error", "timed_out"):
+            reasons.append(f"{job.queue}: {job.verdict}")
+        elif job.reason:
+            reasons.append(f"{job.queue}: {job.state}: {job.reason}")
+        else:
+            reasons.append(f"{job.queue}: {job.state}")
+    return reasons
+
+
+def record_evidence(session: Session, job: Job, evidence: Evidence, log_tail: str) -> None:
+    """Store a finished job's evidence, its case results and its report, once."""
+    environment_id = repo.fingerprint_id(session, evidence.environment)
+    results = [
+        CaseResult(
+            job_id=job.id,
+            case_id=c.id,
+            kind="case",
+            origin=c.origin,
+            status=c.status,
+            reasons=c.reasons,
+            correctness=c.correctness.model_dump(mode="json") if c.correctness else None,
+            performance=c.performance.model_dump(mode="json") if c.performance else None,
+        )
+        for c in evidence.cases
+    ] + [
+        CaseResult(
+            job_id=job.id,
+            case_id=p.id,
+            kind="probe",
+            origin=p.origin,
+            status=p.status,
+            reasons=p.reasons,
+            correctness=None,
+            performance=None,
+        )
+        for p in evidence.probes
+    ]
+    report = Report(
+        job_id=job.id,
+        environment_id=environment_id,
+        verdict=evidence.verdict,
+        evidence=json.loads(evidence.model_dump_json()),
+        markdown=render_markdown(evidence),
+    )
+    repo.add_report(session, report, results)
+    job.state = {"PASS": "passed", "FAIL": "failed", "INCONCLUSIVE": "inconclusive"}[
+        evidence.verdict
+    ]
+    job.verdict = evidence.verdict
+    job.reason = "; ".join(evidence.verdict_reasons[:3])
+    _close(job, log_tail)
+
+
+def record_failure(session: Session, job: Job, state: str, reason: str, log_tail: str) -> None:
+    """A job that ended without evidence: `error` (the child crashed), `timed_out`, or `failed`
+    (the submitted code took its worker down every time: a FAIL, not an infrastructure error)."""
+    job.state, job.reason = state, reason
+    if state == "failed":
+        job.verdict = "FAIL"
+    _close(job, log_tail)
+
+
+def _close(job: Job, log_tail: str) -> None:
+    job.finished_at = utcnow()
+    job.log_tail = log_tail[-8000:]

@@ -1,0 +1,263 @@
+"""The REST API on SQLite and the real PostgreSQL: submit, read, list, rerun, validate, and every
+error the issue names (422 with field paths, 401, 403, 404, 413, 429)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from harness.api.app import create_app
+from harness.config import get_settings
+from harness.store import repositories as repo
+from harness.store.db import session_scope
+
+SCOPES = Path(__file__).resolve().parents[2] / "scopes"
+RMSNORM = (SCOPES / "fused-add-rmsnorm-h200.yaml").read_text()
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, str]] = []
+
+    def __call__(self, job_id: int, queue: str) -> None:
+        self.sent.append((job_id, queue))
+
+
+@pytest.fixture
+def enqueued() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def client(database_url: str, enqueued: Recorder) -> Iterator[TestClient]:
+    with TestClient(create_app(enqueue=enqueued)) as test_client:
+        yield test_client
+
+
+def _token(role: str, name: str) -> dict[str, str]:
+    with session_scope() as session:
+        _, plaintext = repo.create_token(session, name, role)
+    return {"Authorization": f"Bearer {plaintext}"}
+
+
+@pytest.fixture
+def alice() -> dict[str, str]:
+    return _token("contributor", "alice")
+
+
+@pytest.fixture
+def bob() -> dict[str, str]:
+    return _token("contributor", "bob")
+
+
+@pytest.fixture
+def maintainer() -> dict[str, str]:
+    return _token("maintainer", "maria")
+
+
+def _submit(client: TestClient, headers: dict[str, str], manifest: object = RMSNORM) -> int:
+    response = client.post(
+        "/v1/submissions",
+        json={"manifest": manifest, "source": {"kind": "in_tree"}},
+        headers=headers,
+    )
+    assert response.status_code == 201, response.text
+    return int(response.json()["id"])
+
+
+def test_submit_stores_jobs_and_enqueues_after_commit(
+    client: TestClient, alice: dict[str, str], enqueued: Recorder
+) -> None:
+    submission_id = _submit(client, alice)
+    body = client.get(f"/v1/submissions/{submission_id}", headers=alice).json()
+    assert body["scope"] == "fused-add-rmsnorm-h200"
+    assert [job["queue"] for job in body["jobs"]] == ["cpu", "gpu.h200.x1"]
+    # no worker has beaten: each job says so instead of sitting in "queued"
+    assert body["state"] == "waiting_for_hardware"
+    assert all(
+        job["reason"] == f"no live worker serves queue {job['queue']}" for job in body["jobs"]
+    )
+    assert sorted(queue for _, queue in enqueued.sent) == ["cpu", "gpu.h200.x1"]
+    assert {job_id for job_id, _ in enqueued.sent} == {job["id"] for job in body["jobs"]}
+
+
+def test_jobs_for_served_queues_are_queued(client: TestClient, alice: dict[str, str]) -> None:
+    with session_scope() as session:
+        repo.beat(session, "w1", ["cpu"], "cpu")
+    body = client.get(f"/v1/submissions/{_submit(client, alice)}", headers=alice).json()
+    assert {j["queue"]: j["state"] for j in body["jobs"]} == {
+        "cpu": "queued",
+        "gpu.h200.x1": "waiting_for_hardware",
+    }
+    assert body["state"] == "queued"
+
+
+def test_manifest_as_json_object(client: TestClient, alice: dict[str, str]) -> None:
+    submission_id = _submit(client, alice, yaml.safe_load(RMSNORM))
+    assert client.get(f"/v1/submissions/{submission_id}", headers=alice).status_code == 200
+
+
+def test_invalid_manifest_is_422_with_field_paths_and_stores_nothing(
+    client: TestClient, alice: dict[str, str], enqueued: Recorder
+) -> None:
+    bad = RMSNORM.replace("gpu: [cpu, H200]", "gpu: [cpu, H300]").replace(
+        "phase: decode", "phase: x"
+    )
+    response = client.post(
+        "/v1/submissions", json={"manifest": bad, "source": {"kind": "in_tree"}}, headers=alice
+    )
+    assert response.status_code == 422
+    errors = response.json()["errors"]
+    locs = {".".join(map(str, e["loc"])) for e in errors}
+    assert "body.manifest.hardware.gpu" in locs or any("hardware.gpu" in loc for loc in locs)
+    assert any(loc.endswith("workload.phase") for loc in locs)
+    assert all(e["line"] for e in errors)
+    assert client.get("/v1/submissions", headers=alice).json()["total"] == 0
+    assert enqueued.sent == []
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        (
+            {"manifest": RMSNORM, "source": {"kind": "git", "url": "https://x/y", "sha": "abc"}},
+            "body.source.git.sha",
+        ),
+        ({"manifest": RMSNORM, "source": {"kind": "ftp"}}, "body.source"),
+        ({"source": {"kind": "in_tree"}}, "body.manifest"),
+        ({"manifest": RMSNORM, "source": {"kind": "in_tree"}, "extra": 1}, "body.extra"),
+    ],
+)
+def test_malformed_body_is_422(
+    client: TestClient, alice: dict[str, str], body: dict, loc: str
+) -> None:
+    response = client.post("/v1/submissions", json=body, headers=alice)
+    assert response.status_code == 422
+    assert any(".".join(map(str, e["loc"])).startswith(loc) for e in response.json()["errors"])
+
+
+def test_not_json_is_422(client: TestClient, alice: dict[str, str]) -> None:
+    response = client.post(
+        "/v1/submissions",
+        content=b"{not json",
+        headers={**alice, "content-type": "application/json"},
+    )
+    assert response.status_code == 422
+
+
+def test_git_source_is_stored(client: TestClient, alice: dict[str, str]) -> None:
+    response = client.post(
+        "/v1/submissions",
+        json={
+            "manifest": RMSNORM,
+            "source": {"kind": "git", "url": "file:///tmp/r.git", "sha": SHA},
+        },
+        headers=alice,
+    )
+    body = client.get(f"/v1/submissions/{response.json()['id']}", headers=alice).json()
+    assert (body["source_kind"], body["source_url"], body["source_sha"]) == (
+        "git",
+        "file:///tmp/r.git",
+        SHA,
+    )
+
+
+@pytest.mark.parametrize("header", [None, "Bearer nope", "Basic abc", "Bearer "])
+def test_missing_or_bad_token_is_401(client: TestClient, header: str | None) -> None:
+    headers = {"Authorization": header} if header else {}
+    assert client.get("/v1/submissions", headers=headers).status_code == 401
+
+
+def test_another_contributors_submission_is_404(
+    client: TestClient, alice: dict[str, str], bob: dict[str, str], maintainer: dict[str, str]
+) -> None:
+    submission_id = _submit(client, alice)
+    for path in ("", "/report.json", "/report.md", "/report.html"):
+        assert client.get(f"/v1/submissions/{submission_id}{path}", headers=bob).status_code == 404
+        assert (
+            client.get(f"/v1/submissions/{submission_id}{path}", headers=alice).status_code == 200
+        )
+        assert (
+            client.get(f"/v1/submissions/{submission_id}{path}", headers=maintainer).status_code
+            == 200
+        )
+    assert client.get("/v1/submissions", headers=bob).json()["total"] == 0
+    assert client.get("/v1/submissions", headers=maintainer).json()["total"] == 1
+    assert client.get("/v1/submissions/999999", headers=alice).status_code == 404
+
+
+def test_rerun_is_maintainer_only_and_appends_jobs(
+    client: TestClient, alice: dict[str, str], maintainer: dict[str, str]
+) -> None:
+    submission_id = _submit(client, alice)
+    assert client.post(f"/v1/submissions/{submission_id}/rerun", headers=alice).status_code == 403
+    response = client.post(f"/v1/submissions/{submission_id}/rerun", headers=maintainer)
+    assert response.status_code == 201
+    jobs = client.get(f"/v1/submissions/{submission_id}", headers=alice).json()["jobs"]
+    assert len(jobs) == 4  # the first round stays; a rerun is new jobs, never an overwrite
+    assert client.post("/v1/submissions/424242/rerun", headers=maintainer).status_code == 404
+
+
+def test_list_paginates_and_filters(client: TestClient, alice: dict[str, str]) -> None:
+    ids = [_submit(client, alice) for _ in range(5)]
+    page = client.get("/v1/submissions?per_page=2&page=2", headers=alice).json()
+    assert page["total"] == 5 and page["page"] == 2
+    assert [item["id"] for item in page["items"]] == sorted(ids, reverse=True)[2:4]
+    by_state = client.get("/v1/submissions?state=waiting_for_hardware", headers=alice).json()
+    assert by_state["total"] == 5
+    assert client.get("/v1/submissions?verdict=PASS", headers=alice).json()["total"] == 0
+    assert client.get("/v1/submissions?scope=other", headers=alice).json()["total"] == 0
+    assert client.get("/v1/submissions?state=nonsense", headers=alice).status_code == 422
+    assert client.get("/v1/submissions?per_page=0", headers=alice).status_code == 422
+
+
+def test_body_over_limit_is_413(client: TestClient, alice: dict[str, str]) -> None:
+    huge = "#" + "x" * (get_settings().max_body_bytes + 10)
+    response = client.post(
+        "/v1/submissions", json={"manifest": huge, "source": {"kind": "in_tree"}}, headers=alice
+    )
+    assert response.status_code == 413
+
+
+def test_rate_limit_is_429_with_retry_after(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, alice: dict[str, str]
+) -> None:
+    monkeypatch.setenv("PATHGATE_RATE_LIMIT_PER_MINUTE", "3")
+    get_settings.cache_clear()
+    with TestClient(create_app(enqueue=Recorder())) as limited:
+        codes = [limited.get("/v1/submissions", headers=alice).status_code for _ in range(4)]
+        response = limited.get("/v1/submissions", headers=alice)
+    assert codes == [200, 200, 200, 429]
+    assert response.status_code == 429
+    assert 1 <= int(response.headers["Retry-After"]) <= 60
+
+
+def test_validate_scope_without_submitting(client: TestClient, alice: dict[str, str]) -> None:
+    response = client.post("/v1/scopes/validate", json={"manifest": RMSNORM}, headers=alice)
+    assert response.json() == {
+        "valid": True,
+        "name": "fused-add-rmsnorm-h200",
+        "queues": ["cpu", "gpu.h200.x1"],
+    }
+    kimi = (SCOPES / "kimi-k3-mla-moe-decode-gb300.yaml").read_text()
+    response = client.post("/v1/scopes/validate", json={"manifest": kimi}, headers=alice)
+    assert response.json()["queues"] == ["gpu.gb300.x8"]
+    bad = client.post("/v1/scopes/validate", json={"manifest": "name: [x"}, headers=alice)
+    assert bad.status_code == 422
+    assert client.get("/v1/submissions", headers=alice).json()["total"] == 0
+
+
+def test_health_ready_metrics_openapi(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.json()["database"] == "ok"
+    client.get("/healthz")
+    metrics = client.get("/metrics").text
+    assert 'pathgate_http_requests_total{method="GET",route="/healthz",status="200"}' in metrics
+    spec = client.get("/openapi.json").json()
+    assert {"/v1/submissions", "/v1/submissions/{submission_id}/rerun"} <= set(spec["paths"])

@@ -1,0 +1,49 @@
+"""Shared fixtures for tests that touch the store, the API or the queue: the real PostgreSQL and
+Redis on this machine (127.0.0.1:5432 database `test`, 127.0.0.1:6379), and SQLite files."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from harness.config import get_settings
+from harness.store.db import engine_for
+from harness.store.migrate import upgrade
+
+POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+REDIS_URL = "redis://127.0.0.1:6379/15"
+
+
+def reset_postgres() -> None:
+    """An empty public schema: every test starts from migrations, on the real server."""
+    engine_for.cache_clear()
+    engine = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
+        connection.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+
+
+def use_database(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    monkeypatch.setenv("PATHGATE_DATABASE_URL", url)
+    get_settings.cache_clear()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    if request.param == "postgresql":
+        reset_postgres()
+        url = POSTGRES_URL
+    else:
+        url = f"sqlite:///{tmp_path / 'pathgate.db'}"
+    use_database(monkeypatch, url)
+    upgrade(url)
+    yield url
+    engine_for(url).dispose()
+    engine_for.cache_clear()
+    get_settings.cache_clear()

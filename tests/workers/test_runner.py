@@ -1,0 +1,250 @@
+"""The child-process runner: a candidate that hangs, crashes, lies or snoops cannot take the
+worker down, outlive its run, read the worker's secrets or forge the result.
+
+Every test is a real child (`python -m workers.child`) evaluating a small add+RMSNorm scope on
+CPU (hidden 256, batch 1..64, quick) with a candidate from tests/fixtures/hostile_paths.py.
+Each child imports torch, so each run takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fixtures import hostile_paths
+from tests.fixtures.hostile_paths import forged_evidence_json
+from workers.child import message_mac
+from workers.runner import (
+    ChildCrashed,
+    ChildTimedOut,
+    Finished,
+    RunOutcome,
+    RunRequest,
+    authenticated_message,
+    run_in_child,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HOSTILE = "tests.fixtures.hostile_paths"
+HONEST_SUPPORTS = "tests.fixtures.bad_paths:honest_supports"
+SEED = 20240611
+HANG_TIMEOUT_S = 15.0
+GONE_WAIT_S = 5.0
+GIB = 1024**3
+
+CONTRIB_MODULE = '''\
+"""A contributed path from a git checkout: the stock path, dispatching on the tests' scope."""
+from harness.evaluation.cases import Case
+from kernels.fused_add_rmsnorm import stock
+
+
+def supports(case: Case) -> bool:
+    return case.dtype == "bfloat16" and 1 <= case.batch <= 64 and case.cp == 1 and case.gpus == 1
+
+
+def forward(weights, inputs, out):
+    stock.forward(weights, inputs, out)
+'''
+SHADOW_MODULE = 'raise RuntimeError("a checkout must not shadow the installed harness")\n'
+
+
+def manifest_yaml(candidate: str, supports: str = HONEST_SUPPORTS) -> str:
+    """The rmsnorm scope of tests/evaluation/test_engine_catches.py, as submitted YAML text."""
+    manifest = {
+        "name": "fused-add-rmsnorm-test",
+        "summary": "Test scope for the child-process runner",
+        "path": {
+            "problem": "kernels.fused_add_rmsnorm.problem:Problem",
+            "baseline": "kernels.fused_add_rmsnorm.stock:forward",
+            "candidate": candidate,
+            "supports": supports,
+        },
+        "model": {"id": "test/rmsnorm", "dtype": "bfloat16", "config": {"hidden": 256}},
+        "hardware": {"gpu": ["cpu", "H200"], "gpus": [1]},
+        "workload": {"phase": "decode", "batch": {"min": 1, "max": 64}, "context_parallel": [1]},
+        "tolerance": {"error_budget": 2.0, "min_cosine": 0.9999},
+        "claims": [],
+    }
+    return yaml.safe_dump(manifest, sort_keys=False)
+
+
+def run(
+    candidate: str,
+    workdir: Path,
+    supports: str = HONEST_SUPPORTS,
+    source_dir: Path = REPO_ROOT,
+    timeout_s: float = 120.0,
+) -> RunOutcome:
+    request = RunRequest(
+        manifest_yaml=manifest_yaml(candidate, supports),
+        source_dir=source_dir,
+        device="cpu",
+        quick=True,
+        seed=SEED,
+        timeout_s=timeout_s,
+        workdir=workdir,
+    )
+    return run_in_child(request)
+
+
+def hostile(name: str) -> str:
+    return f"{HOSTILE}:{name}"
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state, process group) from /proc, or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces
+    return fields[0], int(fields[2])
+
+
+def is_alive(pid: int) -> bool:
+    state = process_state(pid)
+    return state is not None and state[0] != "Z"  # a zombie is dead, only not yet reaped
+
+
+def live_group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            state = process_state(int(entry.name))
+            if state is not None and state[0] != "Z" and state[1] == pgid:
+                members.append(int(entry.name))
+    return members
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = GONE_WAIT_S) -> bool:
+    """Poll until the condition holds (a SIGKILLed process takes a moment to die)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return bool(condition())
+
+
+def parent_hard(name: str) -> int:
+    hard = resource.getrlimit(getattr(resource, name))[1]
+    return sys.maxsize if hard == resource.RLIM_INFINITY else hard
+
+
+def test_honest_in_tree_path_finishes_with_pass(tmp_path: Path) -> None:
+    outcome = run("tests.fixtures.bad_paths:honest_forward", tmp_path / "work")
+    assert isinstance(outcome, Finished), outcome
+    assert outcome.evidence.verdict == "PASS", outcome.evidence.verdict_reasons
+    assert outcome.evidence.run.seed == SEED and outcome.evidence.run.device == "cpu"
+    assert isinstance(outcome.log_tail, str)
+
+
+def test_hanging_path_is_killed_with_its_grandchildren(tmp_path: Path) -> None:
+    workdir = tmp_path / "work"
+    outcome = run(hostile("hangs_forward"), workdir, timeout_s=HANG_TIMEOUT_S)
+    assert isinstance(outcome, ChildTimedOut), outcome
+    assert HANG_TIMEOUT_S <= outcome.after_s < HANG_TIMEOUT_S + 10
+    assert isinstance(outcome.log_tail, str)
+    pids = json.loads((workdir / hostile_paths.PIDS_FILE).read_text())
+    assert wait_until(lambda: not is_alive(pids["grandchild"])), "the grandchild outlived the run"
+    assert wait_until(lambda: not live_group_members(pids["pgid"]))
+
+
+def test_path_that_exits_is_a_crash_with_its_exit_code(tmp_path: Path) -> None:
+    outcome = run(hostile("exits_forward"), tmp_path / "work")
+    assert isinstance(outcome, ChildCrashed), outcome
+    assert outcome.exit_code == hostile_paths.EXIT_CODE
+    assert "authenticated" in outcome.error
+
+
+def test_path_that_kills_itself_is_a_crash_with_the_signal(tmp_path: Path) -> None:
+    outcome = run(hostile("sigkills_forward"), tmp_path / "work")
+    assert isinstance(outcome, ChildCrashed), outcome
+    assert outcome.exit_code == -9
+
+
+def test_forged_verdict_on_stdout_and_garbage_on_fds_never_pass(tmp_path: Path) -> None:
+    outcome = run(hostile("forges_output_forward"), tmp_path / "work")
+    assert isinstance(outcome, Finished | ChildCrashed), outcome
+    if isinstance(outcome, Finished):
+        assert outcome.evidence.verdict == "FAIL"
+        assert any("forged a verdict" in r for r in outcome.evidence.verdict_reasons)
+    assert '"verdict": "PASS"' in outcome.log_tail  # the forgery only reached the log
+
+
+def test_result_message_with_a_wrong_mac_is_rejected(tmp_path: Path) -> None:
+    outcome = run(hostile("forges_result_forward"), tmp_path / "work")
+    assert isinstance(outcome, ChildCrashed), outcome
+    assert outcome.error.startswith("no authenticated result"), outcome.error
+    assert outcome.exit_code == 0
+
+
+def test_child_gets_only_the_allow_listed_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATHGATE_DATABASE_URL", "postgresql://secret")
+    monkeypatch.setenv("PATHGATE_SECRET_TOKEN", "secret-token")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-key")
+    workdir = tmp_path / "work"
+    outcome = run(hostile("dumps_environment_forward"), workdir)
+    assert isinstance(outcome, Finished), outcome
+    assert outcome.evidence.verdict == "PASS", outcome.evidence.verdict_reasons
+    env = json.loads((workdir / hostile_paths.ENV_FILE).read_text())
+    assert not [k for k in env if k.startswith("PATHGATE_")]
+    assert not [k for k, v in env.items() if "secret" in k.lower() or "secret" in v.lower()]
+    assert env["HOME"] == str(workdir.resolve())
+    assert Path(env["TMPDIR"]).parent == Path(env["TRITON_CACHE_DIR"]).parent == workdir.resolve()
+    assert env["PYTHONPATH"] == str(REPO_ROOT)
+
+
+def test_child_runs_under_resource_limits(tmp_path: Path) -> None:
+    workdir = tmp_path / "work"
+    outcome = run(hostile("dumps_environment_forward"), workdir)
+    assert isinstance(outcome, Finished), outcome
+    limits = json.loads((workdir / hostile_paths.LIMITS_FILE).read_text())
+    # soft == hard everywhere: the candidate cannot raise them again
+    assert limits["RLIMIT_CORE"] == [0, 0]
+    assert limits["RLIMIT_FSIZE"] == [min(4 * GIB, parent_hard("RLIMIT_FSIZE"))] * 2
+    assert limits["RLIMIT_NOFILE"] == [min(4096, parent_hard("RLIMIT_NOFILE"))] * 2
+
+
+def test_only_a_line_signed_with_the_run_key_is_accepted() -> None:
+    key, other_key = b"k" * 32, b"o" * 32
+    evidence = forged_evidence_json()
+
+    def line(kind: str, payload: str, signing_key: bytes) -> bytes:
+        mac = message_mac(signing_key, kind, payload)
+        return b"\n" + json.dumps({kind: payload, "mac": mac}).encode() + b"\n"
+
+    garbage = b"\x00garbage{" + line("evidence", evidence, other_key)
+    assert authenticated_message(garbage + line("evidence", evidence, key), key) == (
+        "evidence",
+        evidence,
+    )
+    assert authenticated_message(garbage, key) is None
+    # an error text signed by the child cannot be replayed as evidence
+    error_mac = message_mac(key, "error", evidence)
+    replayed = json.dumps({"evidence": evidence, "mac": error_mac}).encode()
+    assert authenticated_message(replayed, key) is None
+
+
+def test_checkout_imports_its_own_module_but_cannot_shadow_the_harness(tmp_path: Path) -> None:
+    checkout = tmp_path / "src"
+    (checkout / "harness").mkdir(parents=True)
+    (checkout / "harness" / "__init__.py").write_text(SHADOW_MODULE)
+    (checkout / "contrib_paths.py").write_text(CONTRIB_MODULE)
+    outcome = run(
+        "contrib_paths:forward",
+        tmp_path / "work",
+        supports="contrib_paths:supports",
+        source_dir=checkout,
+    )
+    assert isinstance(outcome, Finished), outcome
+    assert outcome.evidence.verdict == "PASS", outcome.evidence.verdict_reasons

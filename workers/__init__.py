@@ -1,0 +1,1 @@
+"""Celery workers and the child-process runner they launch evaluations through."""

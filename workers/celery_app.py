@@ -1,0 +1,36 @@
+"""The Celery app. Broker from Settings: an embedded SQLite-backed broker by default, Redis in
+deployment. Long GPU jobs: late acks, one message prefetched, one job at a time per worker."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from harness.config import Settings, get_settings
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery(
+        "pathgate", broker=settings.broker_url, include=["workers.tasks", "workers.heartbeat"]
+    )
+    app.conf.update(
+        task_acks_late=True,  # a worker that dies mid-job leaves its message for another
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=1,  # one GPU job at a time
+        task_ignore_result=True,  # results live in the database, not a result backend
+        task_default_queue="cpu",
+        task_soft_time_limit=settings.job_timeout_s + 120,
+        task_time_limit=settings.job_timeout_s + 240,
+        # far above the hard limit, so a slow job is never handed to a second worker meanwhile
+        broker_transport_options={"visibility_timeout": 2 * settings.job_timeout_s + 3600},
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+app = make_celery(get_settings())
+
+
+def enqueue(job_id: int, queue: str) -> None:
+    app.send_task("pathgate.run_job", args=[job_id], queue=queue)

@@ -1,0 +1,151 @@
+"""The evaluation child: `python -m workers.child`, started by workers.runner.run_in_child.
+
+It reads its request from stdin before anything else is imported, limits its own resources, runs
+one evaluation and sends the evidence (or the error) over a private pipe, authenticated with an
+HMAC under a key only the parent and this process know. Stdout and stderr go to a log file, so
+whatever a candidate prints there can never be taken for a result.
+
+Only the standard library is imported at module level: the runner imports `message_mac` from
+here, and the child must not import the harness (or anything submitted) before its limits are set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import resource
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+ERROR_SUMMARY_CHARS = 1000
+ERROR_TAIL_CHARS = 4000
+CORE_LIMIT = 0
+FILE_SIZE_LIMIT = 4 * 1024**3
+OPEN_FILES_LIMIT = 4096
+# Dropped from sys.modules before the path's modules import, so a checkout's own `kernels`
+# package is the one its entry points get (the harness itself may have imported the in-tree one).
+SHADOWABLE_PACKAGES = ("kernels",)
+
+
+def message_mac(key: bytes, kind: str, payload: str) -> str:
+    """HMAC-SHA256 of one result message. The kind ("evidence" or "error") is part of what is
+    signed, so an authenticated error text can never be replayed as evidence."""
+    data = kind.encode() + b"\n" + payload.encode()
+    return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def main() -> int:
+    try:
+        envelope = json.loads(sys.stdin.buffer.read())
+        result_fd, key = int(envelope["result_fd"]), bytes.fromhex(envelope["key"])
+        request: dict[str, Any] = envelope["request"]
+    except Exception as exc:  # no key, so nothing can be sent; the runner sees no result
+        print(f"workers.child: unreadable request on stdin: {exc!r}", file=sys.stderr)
+        return 2
+    die_with_parent(int(envelope.get("parent_pid", 0)))
+    del envelope
+    # pass_fds made the result pipe inheritable; programs a candidate starts must not get it.
+    os.set_inheritable(result_fd, False)
+    limit_resources()
+    try:
+        evidence_json = evaluate_request(request)
+    except BaseException as exc:  # SystemExit from a candidate too: report it, then exit 1
+        send(result_fd, key, "error", describe(exc))
+        return 1
+    send(result_fd, key, "evidence", evidence_json)
+    return 0
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """If the worker process that launched us dies (a candidate may kill it), we die too, rather
+    than run on as an orphan that nobody reads or kills."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if parent_pid and os.getppid() != parent_pid:  # it died before prctl took effect
+        os._exit(3)
+
+
+def limit_resources() -> None:
+    """No core dumps, no file over 4 GiB, at most 4096 open files; soft and hard, so submitted
+    code cannot raise them again. No memory limit: CUDA maps huge virtual ranges."""
+    _limit(resource.RLIMIT_CORE, CORE_LIMIT)
+    _limit(resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT)
+    _limit(resource.RLIMIT_NOFILE, OPEN_FILES_LIMIT)
+
+
+def _limit(which: int, value: int) -> None:
+    _, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)  # an unprivileged process can only lower a hard limit
+    resource.setrlimit(which, (value, value))
+
+
+def evaluate_request(request: dict[str, Any]) -> str:
+    """Run the engine on the request and return the evidence as JSON text."""
+    # The harness, the manifest model and their dependencies import before the source folder
+    # joins sys.path, so a checkout cannot shadow them with modules of the same name.
+    from harness.evaluation.engine import EngineOptions, evaluate
+    from scopes.manifest import load_manifest
+
+    manifest = load_manifest(request["manifest_yaml"])
+    prefer_source_dir(Path(request["source_dir"]))
+    options = EngineOptions(
+        device=request["device"], quick=bool(request["quick"]), seed=request["seed"]
+    )
+    return evaluate(manifest, options).model_dump_json()
+
+
+def prefer_source_dir(source_dir: Path) -> None:
+    """Put the submitted source first on sys.path and forget already-imported `kernels` modules,
+    so the entry points import from the submission rather than from the installed tree."""
+    sys.path.insert(0, str(source_dir))
+    for name in list(sys.modules):
+        if any(name == p or name.startswith(p + ".") for p in SHADOWABLE_PACKAGES):
+            del sys.modules[name]
+
+
+def describe(exc: BaseException) -> str:
+    # Both parts bounded: a candidate chooses the message and could make it huge.
+    summary = f"{type(exc).__name__}: {exc}"[:ERROR_SUMMARY_CHARS]
+    text = "".join(traceback.format_exception(exc))
+    return f"{summary}\n{text[-ERROR_TAIL_CHARS:]}"
+
+
+def send(fd: int, key: bytes, kind: str, payload: str) -> None:
+    """Write one authenticated message. The leading newline starts a fresh line even if a
+    candidate wrote a partial line of garbage into the pipe first."""
+    message = {kind: payload, "mac": message_mac(key, kind, payload)}
+    data = b"\n" + json.dumps(message).encode() + b"\n"
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _exit(code: int) -> None:
+    """Flush the log and leave at once: atexit handlers and non-daemon threads a candidate left
+    behind must neither hang the exit nor change the exit code."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    # Line-buffered, so the log tail survives a candidate that kills the process.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    try:
+        exit_code = main()
+    except BaseException as exc:  # an error while sending: the runner reports no result
+        print(f"workers.child: {describe(exc)}", file=sys.stderr)
+        exit_code = 1
+    _exit(exit_code)

@@ -1,0 +1,62 @@
+"""Starting processes: a worker for this machine's hardware, and `pathgate serve` (the API with
+an embedded worker beside it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from harness.config import get_settings
+from harness.evaluation.environment import detect_host
+from harness.store.migrate import upgrade
+from workers import heartbeat
+from workers.routing import queues_for_host
+
+
+def detected_queues() -> tuple[list[str], str]:
+    settings = get_settings()
+    host = detect_host(settings.worker_hardware or "auto")
+    return queues_for_host(host.gpu, host.count), f"{host.gpu}x{host.count}"
+
+
+def run_worker(queues: list[str] | None = None) -> None:
+    from workers.celery_app import app
+
+    found, hardware = detected_queues()
+    heartbeat.identity = heartbeat.Identity(queues or found, hardware)
+    name = f"pathgate-{os.getpid()}@{socket.gethostname()}"
+    app.worker_main(
+        [
+            "worker",
+            "-Q",
+            ",".join(heartbeat.identity.queues),
+            "-n",
+            name,
+            "--concurrency",
+            "1",
+            "--loglevel",
+            "INFO",
+            "--without-mingle",
+            "--without-gossip",
+        ]
+    )
+
+
+def serve_all(host: str, port: int, embedded_worker: bool) -> None:
+    import uvicorn
+
+    from harness.api.app import create_app
+
+    upgrade(get_settings().database_url)
+    worker = None
+    if embedded_worker:
+        worker = subprocess.Popen([sys.executable, "-m", "harness.cli", "worker"])
+    try:
+        uvicorn.run(create_app(), host=host, port=port)
+    finally:
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=30)

@@ -1,0 +1,285 @@
+"""Run one evaluation in a child process that a candidate cannot use against the worker.
+
+The child (`python -m workers.child`) gets its own process group, a scratch folder as HOME,
+TMPDIR and cwd, an allow-listed environment (no PATHGATE_* settings, no tokens, no database or
+broker URL) and a wall-clock limit, after which its whole process group is killed. Its
+stdout and stderr only go to a log file; the result travels over a private pipe and is accepted
+only with a valid HMAC under a fresh per-run key, so a forged verdict printed or written by a
+candidate is never taken for the evidence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from pydantic import ValidationError
+
+import harness
+from harness.evaluation.evidence import Evidence
+from workers.child import message_mac
+
+LOG_NAME = "child.log"
+LOG_TAIL_BYTES = 8 * 1024
+MAX_RESULT_BYTES = 64 * 1024 * 1024  # evidence of a long GPU run is a few MB
+POLL_S = 0.1
+CHUNK_BYTES = 64 * 1024
+KEY_BYTES = 32
+PASSED_THROUGH = (
+    "PATH",
+    "LANG",
+    "LC_ALL",
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "LD_LIBRARY_PATH",
+)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    manifest_yaml: str  # the manifest text as submitted
+    source_dir: Path  # the entry points import from here (repo root in-tree, else a checkout)
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    quick: bool = False
+    seed: int | None = None
+    timeout_s: float = 1800.0  # wall clock for the whole child
+    workdir: Path | None = None  # the child's scratch (HOME, TMPDIR, Triton cache); temp if None
+
+
+@dataclass(frozen=True)
+class Finished:
+    evidence: Evidence
+    log_tail: str
+
+
+@dataclass(frozen=True)
+class ChildCrashed:
+    error: str
+    exit_code: int | None
+    log_tail: str
+
+
+@dataclass(frozen=True)
+class ChildTimedOut:
+    after_s: float
+    log_tail: str
+
+
+RunOutcome = Finished | ChildCrashed | ChildTimedOut
+
+
+def run_in_child(request: RunRequest) -> RunOutcome:
+    """Evaluate the request's manifest in a child process; never raises for what the child does."""
+    if request.workdir is not None:
+        return _run(request, request.workdir.resolve())
+    with tempfile.TemporaryDirectory(prefix="pathgate-run-") as scratch:
+        return _run(request, Path(scratch).resolve())
+
+
+def child_environment(workdir: Path) -> dict[str, str]:
+    """The child's whole environment: an allow-list, never a copy of the worker's."""
+    env = {name: os.environ[name] for name in PASSED_THROUGH if name in os.environ}
+    env.setdefault("PATH", os.defpath)
+    env["HOME"] = str(workdir)
+    env["TMPDIR"] = str(workdir / "tmp")
+    env["TRITON_CACHE_DIR"] = str(workdir / "triton-cache")
+    # Where the installed harness lives, so the child imports exactly the worker's harness.
+    env["PYTHONPATH"] = str(Path(harness.__file__).resolve().parents[1])
+    return env
+
+
+def _run(request: RunRequest, workdir: Path) -> RunOutcome:
+    for folder in (workdir, workdir / "tmp", workdir / "triton-cache"):
+        folder.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_bytes(KEY_BYTES)
+    started = time.monotonic()
+    # The parent keeps its own handle on the log: the child may replace the file at that path
+    # (it is in its HOME), but the tail is read from the file the child was given.
+    with open(workdir / LOG_NAME, "w+b") as log:
+        read_fd, write_fd = os.pipe()
+        try:
+            process = _spawn(workdir, log, write_fd)
+            try:
+                _send_request(process, request, write_fd, key)
+                raw, timed_out = _collect(process, read_fd, started + request.timeout_s)
+            finally:
+                _kill_group(process)
+        finally:
+            os.close(read_fd)
+        tail = _log_tail(log)
+    if timed_out:
+        return ChildTimedOut(round(time.monotonic() - started, 1), tail)
+    return _outcome(raw, key, process.returncode, tail)
+
+
+def _spawn(workdir: Path, log: IO[bytes], write_fd: int) -> subprocess.Popen[bytes]:
+    try:
+        # -P: the cwd (the child's scratch, writable by the candidate) is not put on sys.path.
+        return subprocess.Popen(
+            [sys.executable, "-P", "-m", "workers.child"],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=child_environment(workdir),
+            pass_fds=(write_fd,),
+            start_new_session=True,
+        )
+    finally:
+        # Only the child may hold the write end: EOF then means the child side is done.
+        os.close(write_fd)
+
+
+def _send_request(
+    process: subprocess.Popen[bytes], request: RunRequest, result_fd: int, key: bytes
+) -> None:
+    envelope = {
+        "result_fd": result_fd,
+        "key": key.hex(),
+        "parent_pid": os.getpid(),
+        "request": _request_json(request),
+    }
+    assert process.stdin is not None
+    try:
+        process.stdin.write(json.dumps(envelope).encode() + b"\n")
+        process.stdin.close()
+    except BrokenPipeError:
+        pass  # the child died before reading its request; its exit status says how
+
+
+def _request_json(request: RunRequest) -> dict[str, Any]:
+    return {
+        "manifest_yaml": request.manifest_yaml,
+        "source_dir": str(request.source_dir.resolve()),
+        "device": request.device,
+        "quick": request.quick,
+        "seed": request.seed,
+    }
+
+
+def _collect(process: subprocess.Popen[bytes], read_fd: int, deadline: float) -> tuple[bytes, bool]:
+    """Read the result pipe until the child exits; (bytes read, whether the deadline passed).
+
+    Reading while waiting keeps a large result from blocking the child on a full pipe. The
+    exit, not EOF, ends the wait: a grandchild holding the write end open must not stall us.
+    """
+    data = bytearray()
+    with selectors.DefaultSelector() as selector:  # not select(): fds above 1023 are fine
+        selector.register(read_fd, selectors.EVENT_READ)
+        pipe_open = True
+        while not _has_exited(process):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return bytes(data), True
+            if not pipe_open:
+                time.sleep(min(remaining, POLL_S))
+            elif selector.select(min(remaining, POLL_S)):
+                pipe_open = _read_into(read_fd, data)
+                if not pipe_open:
+                    selector.unregister(read_fd)
+    _drain(read_fd, data)
+    return bytes(data), False
+
+
+def _drain(fd: int, data: bytearray) -> None:
+    """Read what the child left in the pipe before it exited, without waiting for EOF, and
+    boundedly: a grandchild that left the process group may still hold the write end."""
+    os.set_blocking(fd, False)
+    for _ in range(MAX_RESULT_BYTES // CHUNK_BYTES):
+        if not _read_into(fd, data):
+            return
+
+
+def _read_into(fd: int, data: bytearray) -> bool:
+    """Append one chunk; False at EOF or when nothing more is waiting (non-blocking)."""
+    try:
+        chunk = os.read(fd, CHUNK_BYTES)
+    except BlockingIOError:
+        return False
+    data += chunk
+    if len(data) > MAX_RESULT_BYTES:  # a flood: keep the end, where the real message is
+        del data[: len(data) - MAX_RESULT_BYTES]
+    return bool(chunk)
+
+
+def _has_exited(process: subprocess.Popen[bytes]) -> bool:
+    """Whether the child has exited, without reaping it: while it is an unreaped zombie its pid
+    cannot be reused, so killing its process group afterwards cannot hit a stranger's group."""
+    try:
+        status = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return status is not None
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the child's whole process group (grandchildren a candidate started included),
+    then reap the child. Done after every run, not only on timeout."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group may be empty
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _log_tail(log: IO[bytes]) -> str:
+    size = os.fstat(log.fileno()).st_size
+    offset = max(0, size - LOG_TAIL_BYTES)
+    return os.pread(log.fileno(), size - offset, offset).decode("utf-8", errors="replace")
+
+
+def _outcome(raw: bytes, key: bytes, exit_code: int | None, tail: str) -> RunOutcome:
+    message = authenticated_message(raw, key)
+    if message is None:
+        error = f"no authenticated result from the child (exit code {exit_code})"
+        return ChildCrashed(error, exit_code, tail)
+    kind, payload = message
+    if kind == "error":
+        return ChildCrashed(payload, exit_code, tail)
+    if exit_code != 0:
+        error = f"the child exited with code {exit_code} after sending its evidence"
+        return ChildCrashed(error, exit_code, tail)
+    try:
+        return Finished(Evidence.model_validate_json(payload), tail)
+    except ValidationError as exc:
+        return ChildCrashed(f"the evidence sent is not valid: {exc}", exit_code, tail)
+
+
+def authenticated_message(raw: bytes, key: bytes) -> tuple[str, str] | None:
+    """The last line of the result pipe that is a message with a valid MAC, as (kind, payload).
+
+    Earlier lines may be garbage a candidate wrote into the pipe; without the key it cannot
+    make a line that verifies.
+    """
+    for line in reversed(raw.split(b"\n")):
+        parsed = _parse_message(line)
+        if parsed is None:
+            continue
+        kind, payload, mac = parsed
+        if hmac.compare_digest(mac.encode(), message_mac(key, kind, payload).encode()):
+            return kind, payload
+    return None
+
+
+def _parse_message(line: bytes) -> tuple[str, str, str] | None:
+    try:
+        message = json.loads(line)
+    except ValueError:  # also UnicodeDecodeError
+        return None
+    if not isinstance(message, dict) or not isinstance(message.get("mac"), str):
+        return None
+    kinds = [k for k in ("evidence", "error") if isinstance(message.get(k), str)]
+    if len(kinds) != 1 or len(message) != 2:
+        return None
+    mac: str = message["mac"]
+    return kinds[0], message[kinds[0]], mac

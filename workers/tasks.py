@@ -1,0 +1,171 @@
+"""Tasks: run one job, and sweep jobs that lost their worker or their broker message.
+
+Retries are counted in the database (`Job.attempts`), not by Celery: a job whose child takes its
+worker down is delivered again by the sweeper, and after `job_max_attempts` it ends `failed`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from celery import Task
+from sqlalchemy.orm import Session
+
+from harness import submissions
+from harness.config import get_settings
+from harness.store import repositories as repo
+from harness.store.db import new_session, session_scope
+from harness.store.models import Job, utcnow
+from workers.celery_app import app, enqueue
+from workers.runner import (
+    ChildCrashed,
+    ChildTimedOut,
+    Finished,
+    RunOutcome,
+    RunRequest,
+    run_in_child,
+)
+from workers.workspace import SourceError, prepare_source
+
+RUNNABLE_STATES = ("queued", "waiting_for_hardware")
+
+
+@dataclass(frozen=True)
+class StartedJob:
+    request: RunRequest
+    workdir: Path
+
+
+@app.task(name="pathgate.run_job", bind=True)
+def run_job(self: Task, job_id: int) -> None:
+    worker = self.request.hostname or socket.gethostname()
+    started = start_job(job_id, worker)
+    if started is None:
+        return
+    try:
+        outcome = run_in_child(started.request)
+    finally:
+        shutil.rmtree(started.workdir / "src", ignore_errors=True)
+    finish_job(job_id, outcome)
+
+
+def start_job(job_id: int, worker: str) -> StartedJob | None:
+    """Claim the job for this worker (one attempt more), or None if it must not run."""
+    settings = get_settings()
+    with session_scope() as session:
+        job = repo.lock_job(session, job_id)
+        if job is None or not _runnable_here(job, worker):
+            return None  # finished, or a duplicate delivery while another worker runs it
+        if job.attempts >= settings.job_max_attempts:
+            submissions.record_failure(
+                session,
+                job,
+                "failed",
+                f"the job ended its worker {job.attempts} times; not retried",
+                job.log_tail or "",
+            )
+            _refresh(session, job)
+            return None
+        job.attempts += 1
+        job.state, job.worker, job.started_at, job.reason = "running", worker, utcnow(), None
+        _refresh(session, job)
+        submission = repo.get_submission(session, job.submission_id, owner_id=None)
+        assert submission is not None
+        workdir = settings.work_dir / f"job-{job.id}-attempt-{job.attempts}"
+        try:
+            source_dir = prepare_source(submission, workdir / "src")
+        except SourceError as exc:
+            submissions.record_failure(session, job, "error", str(exc), "")
+            _refresh(session, job)
+            return None
+    request = RunRequest(
+        manifest_yaml=submission.manifest_text,
+        source_dir=source_dir,
+        device="auto",
+        timeout_s=settings.job_timeout_s,
+        workdir=workdir,
+    )
+    return StartedJob(request, workdir)
+
+
+def _runnable_here(job: Job, worker: str) -> bool:
+    # A worker runs one job at a time, so a job already "running" on this very worker that is
+    # delivered to it again lost its previous run (its pool process died): run it again.
+    return job.state in RUNNABLE_STATES or (job.state == "running" and job.worker == worker)
+
+
+def finish_job(job_id: int, outcome: RunOutcome) -> None:
+    with session_scope() as session:
+        job = repo.lock_job(session, job_id)
+        if job is None or job.state != "running":
+            return  # a sweeper gave it to another worker meanwhile; that run records it
+        match outcome:
+            case Finished(evidence=evidence, log_tail=log):
+                submissions.record_evidence(session, job, evidence, log)
+            case ChildTimedOut(after_s=after_s, log_tail=log):
+                submissions.record_failure(
+                    session, job, "timed_out", f"killed after its {after_s:.0f} s limit", log
+                )
+            case ChildCrashed(error=error, exit_code=code, log_tail=log):
+                submissions.record_failure(
+                    session, job, "error", f"the evaluation crashed (exit {code}): {error}", log
+                )
+        _refresh(session, job)
+
+
+def _refresh(session: Session, job: Job) -> None:
+    submission = repo.lock_submission(session, job.submission_id)
+    submissions.refresh_state(session, submission)
+
+
+@app.task(name="pathgate.sweep")
+def sweep() -> None:
+    sweep_jobs()
+
+
+def sweep_jobs() -> None:
+    """Requeue jobs whose worker died or whose message was lost; mark jobs no worker serves."""
+    settings = get_settings()
+    with session_scope() as session:
+        submissions.install_enqueue_hook(session, enqueue)
+        live = repo.live_workers(session, settings.worker_stale_after_s)
+        queues = repo.live_queues(session, settings.worker_stale_after_s)
+        for job in repo.jobs_in_state(session, "running"):
+            if job.worker not in live:
+                _requeue(session, job, f"worker {job.worker} stopped answering")
+        stale = utcnow() - timedelta(seconds=settings.requeue_after_s)
+        for job in repo.jobs_in_state(session, "queued", before=stale):
+            _requeue(session, job, "enqueued again: no worker took it in time")
+        for job in repo.jobs_in_state(session, "queued") + repo.jobs_in_state(
+            session, "waiting_for_hardware"
+        ):
+            _mark_hardware(session, job, queues)
+
+
+def _requeue(session: Session, job: Job, reason: str) -> None:
+    job.state, job.reason, job.enqueued_at = "queued", reason, utcnow()
+    submissions.enqueue_after_commit(session, job)
+    _refresh(session, job)
+
+
+def _mark_hardware(session: Session, job: Job, live_queues: set[str]) -> None:
+    served = job.queue in live_queues
+    if job.state == "queued" and not served:
+        job.state, job.reason = "waiting_for_hardware", f"no live worker serves queue {job.queue}"
+    elif job.state == "waiting_for_hardware" and served:
+        job.state, job.reason = "queued", None
+    else:
+        return
+    _refresh(session, job)
+
+
+def heartbeat(worker: str, queues: list[str], hardware: str) -> None:
+    with session_scope() as session:
+        repo.beat(session, worker, queues, hardware)
+
+
+__all__ = ["heartbeat", "new_session", "run_job", "sweep", "sweep_jobs"]

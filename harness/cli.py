@@ -173,8 +173,9 @@ def submit(
     except SubmitError as exc:
         console.print(f"[red]error:[/red] {exc}", markup=True)
         raise typer.Exit(EXIT_USAGE) from None
-    # a job that errored or timed out has no verdict: exit 1 like a FAIL
-    raise typer.Exit(EXIT_CODES.get(final, 1) if wait else 0)
+    # errored or timed out: no verdict, exit 1 like a FAIL; waiting for hardware: 3
+    codes = {**EXIT_CODES, "waiting_for_hardware": EXIT_CODES["INCONCLUSIVE"]}
+    raise typer.Exit(codes.get(final, 1) if wait else 0)
 
 
 def _load_or_exit(scope: Path) -> ScopeManifest:

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import httpx
 
-FINISHED = {"passed", "failed", "inconclusive", "error", "timed_out"}
+# waiting_for_hardware is as far as a submission gets until a worker for its hardware appears
+SETTLED = {"passed", "failed", "inconclusive", "error", "timed_out", "waiting_for_hardware"}
 POLL_S = 2.0
 
 
@@ -50,7 +51,7 @@ def _wait(
             say(f"submission {submission_id}: {last_state}")
             for reason in submission["verdict_reasons"]:
                 say(f"  - {reason}")
-        if last_state in FINISHED:
+        if last_state in SETTLED:
             return str(submission["verdict"] or last_state)
         time.sleep(POLL_S)
     raise SubmitError(f"no verdict after {timeout_s:.0f} s (state: {last_state})")

@@ -60,6 +60,11 @@ def parse_manifest(body: str | dict[str, Any]) -> tuple[ScopeManifest, str]:
             for p in exc.problems
         ]
         raise InvalidInput("invalid scope manifest", details) from None
+    except RecursionError:
+        # Deeply nested YAML ("[[[[...") exhausts the parser's recursion: reject it, don't 500.
+        loc = ["body", "manifest"]
+        details = [{"loc": loc, "msg": "nested too deeply to parse", "line": None}]
+        raise InvalidInput("invalid scope manifest", details) from None
 
 
 def submit(

@@ -21,12 +21,18 @@ def make_celery(settings: Settings) -> Celery:
         task_default_queue="cpu",
         task_soft_time_limit=settings.job_timeout_s + 120,
         task_time_limit=settings.job_timeout_s + 240,
-        # far above the hard limit, so a slow job is never handed to a second worker meanwhile
-        broker_transport_options={"visibility_timeout": 2 * settings.job_timeout_s + 3600},
+        broker_transport_options=_transport_options(settings),
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
     return app
+
+
+def _transport_options(settings: Settings) -> dict[str, float]:
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        # far above the hard limit, so a slow job is never handed to a second worker meanwhile
+        return {"visibility_timeout": 2 * settings.job_timeout_s + 3600}
+    return {}  # the embedded SQL transport passes its options to create_engine
 
 
 app = make_celery(get_settings())

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 from harness.config import get_settings
 from harness.evaluation.environment import detect_host
@@ -45,6 +46,13 @@ def run_worker(queues: list[str] | None = None) -> None:
     )
 
 
+def _stop_if_worker_dies(worker: subprocess.Popen[bytes]) -> None:
+    """Without its worker the embedded service would accept jobs nobody runs: stop it."""
+    code = worker.wait()
+    print(f"pathgate serve: the embedded worker exited with {code}; stopping", file=sys.stderr)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def serve_all(host: str, port: int, embedded_worker: bool) -> None:
     import uvicorn
 
@@ -54,6 +62,7 @@ def serve_all(host: str, port: int, embedded_worker: bool) -> None:
     worker = None
     if embedded_worker:
         worker = subprocess.Popen([sys.executable, "-m", "harness.cli", "worker"])
+        threading.Thread(target=_stop_if_worker_dies, args=(worker,), daemon=True).start()
     try:
         uvicorn.run(create_app(), host=host, port=port)
     finally:

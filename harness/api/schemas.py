@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _as_utc(value: datetime) -> datetime:
+    # Every timestamp is stored in UTC, but SQLite hands it back without its zone; a naive
+    # datetime would be serialized without an offset, which is not an RFC 3339 date-time (the
+    # OpenAPI `format` the responses declare). Found by tests/api/test_openapi_fuzz.py.
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+UtcDateTime = Annotated[datetime, AfterValidator(_as_utc)]
 
 
 class InTreeSource(BaseModel):
@@ -16,7 +26,10 @@ class InTreeSource(BaseModel):
 class GitSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kind: Literal["git"]
-    url: str = Field(min_length=1, max_length=500, pattern=r"^(https://|http://|file://|git@)")
+    # No control characters: a NUL byte in the URL reached PostgreSQL, which rejects it (a 500).
+    url: str = Field(
+        min_length=1, max_length=500, pattern=r"^(https://|http://|file://|git@)[^\x00-\x1f\x7f]*$"
+    )
     sha: str = Field(pattern=r"^[0-9a-f]{40}$")
 
 
@@ -46,9 +59,9 @@ class JobRead(BaseModel):
     attempts: int
     worker: str | None
     verdict: str | None
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: UtcDateTime
+    started_at: UtcDateTime | None
+    finished_at: UtcDateTime | None
 
 
 class SubmissionCreated(BaseModel):
@@ -66,8 +79,8 @@ class SubmissionRead(BaseModel):
     source_kind: str
     source_url: str | None
     source_sha: str | None
-    created_at: datetime
-    updated_at: datetime
+    created_at: UtcDateTime
+    updated_at: UtcDateTime
     jobs: list[JobRead]
 
 
@@ -81,3 +94,19 @@ class SubmissionPage(BaseModel):
 class Problem(BaseModel):
     detail: str
     errors: list[dict[str, Any]] = []
+
+
+_PROBLEMS = {
+    401: "no token, or an unknown or revoked one",
+    403: "this needs a maintainer token",
+    404: "no such submission (or not yours)",
+    413: "request body over the size limit",
+    422: "invalid request: one entry in `errors` per problem, with its location",
+    429: "rate limit reached; see Retry-After",
+}
+
+
+def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for error statuses. Every error body is a Problem (app.py's handlers);
+    without these, FastAPI declares its own 422 shape (`detail` a list), which ours do not have."""
+    return {code: {"model": Problem, "description": _PROBLEMS[code]} for code in codes}

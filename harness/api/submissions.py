@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse
 
 from harness import submissions
@@ -17,6 +17,7 @@ from harness.api.schemas import (
     SubmissionCreated,
     SubmissionPage,
     SubmissionRead,
+    problem_responses,
 )
 from harness.config import get_settings
 from harness.errors import NotFound
@@ -25,7 +26,16 @@ from harness.store import repositories as repo
 from harness.store.models import Submission
 from workers.routing import queues_for_manifest
 
-router = APIRouter(prefix="/v1")
+# Error bodies are declared (Problem) so the spec matches what the handlers send; fuzzing the spec
+# (tests/api/test_openapi_fuzz.py) found every 422 contradicting FastAPI's default 422 schema.
+router = APIRouter(prefix="/v1", responses=problem_responses(401, 413, 422, 429))
+NOT_FOUND = problem_responses(404)
+# Ids are 32-bit `integer` columns: a larger id overflowed in the driver (PostgreSQL "integer out
+# of range", SQLite OverflowError past 64 bits) and came back as a 500; now it is a 422.
+SubmissionId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+# A scope name is a slug. A NUL byte in the filter reached PostgreSQL, which rejects NUL in text
+# parameters (a 500); anything outside the slug alphabet could never match, so it is a 422.
+ScopeName = Annotated[str | None, Query(max_length=64, pattern=r"^[a-z0-9-]*$")]
 SubmissionState = Literal[
     "queued",
     "running",
@@ -53,7 +63,7 @@ def list_submissions(
     session: SessionDep,
     token: CurrentToken,
     state: Annotated[SubmissionState | None, Query()] = None,
-    scope: Annotated[str | None, Query(max_length=64)] = None,
+    scope: ScopeName = None,
     verdict: Annotated[Literal["PASS", "FAIL", "INCONCLUSIVE"] | None, Query()] = None,
     page: Annotated[int, Query(ge=1, le=100_000)] = 1,
     per_page: Annotated[int, Query(ge=1, le=200)] = 50,
@@ -64,31 +74,42 @@ def list_submissions(
     return SubmissionPage(items=items, total=total, page=page, per_page=per_page)
 
 
-@router.get("/submissions/{submission_id}", response_model=SubmissionRead)
-def read_submission(submission_id: int, session: SessionDep, token: CurrentToken) -> SubmissionRead:
+@router.get("/submissions/{submission_id}", response_model=SubmissionRead, responses=NOT_FOUND)
+def read_submission(
+    submission_id: SubmissionId, session: SessionDep, token: CurrentToken
+) -> SubmissionRead:
     return SubmissionRead.model_validate(_visible(session, submission_id, token))
 
 
-@router.get("/submissions/{submission_id}/report.json")
-def report_json(submission_id: int, session: SessionDep, token: CurrentToken) -> dict:
+@router.get("/submissions/{submission_id}/report.json", responses=NOT_FOUND)
+def report_json(submission_id: SubmissionId, session: SessionDep, token: CurrentToken) -> dict:
     submission = _visible(session, submission_id, token)
     return combined_report(session, submission)
 
 
-@router.get("/submissions/{submission_id}/report.md", response_class=PlainTextResponse)
-def report_markdown(submission_id: int, session: SessionDep, token: CurrentToken) -> str:
+@router.get(
+    "/submissions/{submission_id}/report.md", response_class=PlainTextResponse, responses=NOT_FOUND
+)
+def report_markdown(submission_id: SubmissionId, session: SessionDep, token: CurrentToken) -> str:
     submission = _visible(session, submission_id, token)
     return render_combined_markdown(combined_report(session, submission))
 
 
-@router.get("/submissions/{submission_id}/report.html", response_class=HTMLResponse)
-def report_html(submission_id: int, session: SessionDep, token: CurrentToken) -> str:
+@router.get(
+    "/submissions/{submission_id}/report.html", response_class=HTMLResponse, responses=NOT_FOUND
+)
+def report_html(submission_id: SubmissionId, session: SessionDep, token: CurrentToken) -> str:
     submission = _visible(session, submission_id, token)
     return render_combined_html(combined_report(session, submission))
 
 
-@router.post("/submissions/{submission_id}/rerun", status_code=201, response_model=list[JobRead])
-def rerun(submission_id: int, session: SessionDep, token: Maintainer) -> list[JobRead]:
+@router.post(
+    "/submissions/{submission_id}/rerun",
+    status_code=201,
+    response_model=list[JobRead],
+    responses=problem_responses(403, 404),
+)
+def rerun(submission_id: SubmissionId, session: SessionDep, token: Maintainer) -> list[JobRead]:
     live = repo.live_queues(session, get_settings().worker_stale_after_s)
     jobs = submissions.rerun(session, submission_id, token, live)
     return [JobRead.model_validate(job) for job in jobs]

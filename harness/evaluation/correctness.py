@@ -16,7 +16,7 @@ import torch
 
 from harness.evaluation.cases import Case
 from harness.evaluation.loading import LoadedPath, PathFn
-from harness.evaluation.outcomes import Crashed, Mismatch, Outcome, Passed
+from harness.evaluation.outcomes import SUBMITTED_CODE_ERRORS, Crashed, Mismatch, Outcome, Passed
 from harness.evaluation.plan import derive_seed
 from scopes.manifest import Tolerance
 
@@ -130,7 +130,7 @@ def _candidate_run(
     outputs = poisoned(outputs, poison)
     try:
         _run(candidate, weights_copy, inputs_copy, outputs)
-    except Exception as exc:
+    except SUBMITTED_CODE_ERRORS as exc:
         raise CandidateCrash(_describe_exception(exc)) from None
     for label, given, original in (
         ("input", inputs_copy, inputs),

@@ -36,7 +36,14 @@ from harness.evaluation.loading import (
     load_path,
     use_triton_interpreter,
 )
-from harness.evaluation.outcomes import Crashed, Outcome, Passed, Unsupported, reasons_of
+from harness.evaluation.outcomes import (
+    SUBMITTED_CODE_ERRORS,
+    Crashed,
+    Outcome,
+    Passed,
+    Unsupported,
+    reasons_of,
+)
 from harness.evaluation.plan import Host, Plan, derive_seed, make_plan
 from harness.evaluation.profiling import profile_step
 from harness.evaluation.stats import median_ci95, speedup_ci95
@@ -165,7 +172,7 @@ def run_case(
 ) -> CaseEvidence:
     try:
         accepted = path.supports(case)
-    except Exception as exc:
+    except SUBMITTED_CODE_ERRORS as exc:
         return _case_evidence(case, Crashed(f"supports({case.id}) raised {exc!r}"))
     if accepted is not True:
         return _case_evidence(
@@ -181,7 +188,7 @@ def run_case(
         return _case_evidence(case, checked.outcome, correctness)
     try:
         performance = measure_case(path, case, secret_seed, options, device)
-    except Exception as exc:
+    except SUBMITTED_CODE_ERRORS as exc:
         return _case_evidence(case, Crashed(f"while timing: {exc!r}"), correctness)
     return _case_evidence(case, Passed(), correctness, performance)
 

@@ -9,14 +9,14 @@ import torch
 from harness.evaluation.cases import Case
 from harness.evaluation.correctness import poisoned
 from harness.evaluation.loading import LoadedPath
-from harness.evaluation.outcomes import Crashed, Mismatch, Outcome, Passed
+from harness.evaluation.outcomes import SUBMITTED_CODE_ERRORS, Crashed, Mismatch, Outcome, Passed
 from harness.evaluation.plan import derive_seed, probe_runs_on_one_process
 
 
 def check_probe(path: LoadedPath, probe: Case, secret_seed: int, device: torch.device) -> Outcome:
     try:
         accepted = path.supports(probe)
-    except Exception as exc:
+    except SUBMITTED_CODE_ERRORS as exc:
         return Crashed(f"supports({probe.id}) raised {exc!r}")
     if accepted is not False:
         return Mismatch(
@@ -35,7 +35,7 @@ def _falls_back_to_stock(path: LoadedPath, probe: Case, seed: int, device: torch
     try:
         weights = problem.make_weights(probe, derive_seed(seed, "weights"), device)
         inputs = problem.make_inputs(probe, derive_seed(seed, "inputs"), device)
-    except Exception as exc:
+    except SUBMITTED_CODE_ERRORS as exc:
         # The problem itself cannot build this probe (e.g. a dtype it never makes): guard-only.
         return (
             Passed()
@@ -55,7 +55,7 @@ def _falls_back_to_stock(path: LoadedPath, probe: Case, seed: int, device: torch
             {k: v.clone() for k, v in inputs.items()},
             dict(dispatched),
         )
-    except Exception as exc:
+    except SUBMITTED_CODE_ERRORS as exc:
         return Crashed(f"the dispatching entry raised on {probe.origin}: {exc!r}")
     differing = [
         name

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from harness.evaluation.outcomes import SUBMITTED_CODE_ERRORS
 from scopes.manifest import ScopeManifest
 
 Tensors = dict[str, Any]
@@ -32,7 +33,7 @@ def load_entry_point(spec: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise EntryPointError(f"cannot import {module_name!r} for {spec!r}: {exc}") from None
-    except Exception as exc:  # submitted module code raising at import time
+    except SUBMITTED_CODE_ERRORS as exc:  # submitted module code raising at import time
         raise EntryPointError(f"importing {module_name!r} raised {exc!r}") from None
     try:
         return getattr(module, attr)
@@ -56,6 +57,6 @@ def load_path(manifest: ScopeManifest) -> LoadedPath:
             raise EntryPointError(f"path.{name} ({getattr(manifest.path, name)}) is not callable")
     try:
         problem = problem_class(dict(manifest.model.config))
-    except Exception as exc:
+    except SUBMITTED_CODE_ERRORS as exc:
         raise EntryPointError(f"building the problem from model.config failed: {exc!r}") from None
     return LoadedPath(problem, entries["baseline"], entries["candidate"], entries["supports"])

@@ -41,6 +41,10 @@ class NotRun:
     status: ClassVar[Literal["not_run"]] = "not_run"
 
 
+# What submitted code may raise that must become a Crashed outcome, not end the evaluation:
+# sys.exit() too. KeyboardInterrupt still stops the run.
+SUBMITTED_CODE_ERRORS = (Exception, SystemExit)
+
 Outcome = Passed | Mismatch | Unsupported | Crashed | TimedOut | NotRun
 
 

@@ -260,6 +260,13 @@ def test_hidden_input_change_is_caught() -> None:
     assert all("modified its input 'x'" in joined(c.reasons) for c in evidence.cases)
 
 
+def test_sys_exit_in_a_path_is_a_crash_not_the_end_of_the_run() -> None:
+    evidence = run("exits_forward")
+    assert evidence.verdict == "FAIL"
+    assert all(c.status == "crashed" for c in evidence.cases)
+    assert "SystemExit" in joined(evidence.verdict_reasons)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("candidate", "supports", "reason"),

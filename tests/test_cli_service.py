@@ -1,0 +1,120 @@
+"""The service commands: `pathgate db upgrade`, `token create`, and `submit` against a live API."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from sqlalchemy import create_engine, inspect
+from typer.testing import CliRunner
+
+from harness.api.app import create_app
+from harness.cli import app
+from harness.config import get_settings
+from harness.store import repositories as repo
+from harness.store.db import session_scope
+from tests.service_fixtures import use_database
+
+SCOPE = Path(__file__).resolve().parents[1] / "scopes" / "fused-add-rmsnorm-h200.yaml"
+
+
+def test_db_upgrade_and_downgrade(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    use_database(monkeypatch, url)
+    assert CliRunner().invoke(app, ["db", "upgrade"]).exit_code == 0
+    assert "submissions" in inspect(create_engine(url)).get_table_names()
+    assert CliRunner().invoke(app, ["db", "downgrade"]).exit_code == 0
+    assert "submissions" not in inspect(create_engine(url)).get_table_names()
+
+
+def test_token_create_prints_the_token_last(database_url: str) -> None:
+    result = CliRunner().invoke(app, ["token", "create", "--role", "maintainer", "--name", "ci"])
+    assert result.exit_code == 0
+    token = result.output.split()[-1]
+    with session_scope() as session:
+        found = repo.find_token(session, token)
+        assert found is not None and (found.role, found.name) == ("maintainer", "ci")
+    bad = CliRunner().invoke(app, ["token", "create", "--role", "admin", "--name", "x"])
+    assert bad.exit_code == 2
+
+
+@pytest.fixture
+def server(database_url: str) -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    config = uvicorn.Config(
+        create_app(enqueue=lambda job, queue: None), port=port, log_level="warning"
+    )
+    instance = uvicorn.Server(config)
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    while not instance.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    instance.should_exit = True
+    thread.join(timeout=10)
+
+
+def _token(role: str = "contributor") -> str:
+    with session_scope() as session:
+        return repo.create_token(session, "cli", role)[1]
+
+
+def test_submit_and_wait_until_only_hardware_is_missing(server: str) -> None:
+    result = CliRunner().invoke(
+        app,
+        [
+            "submit",
+            str(SCOPE),
+            "--server",
+            server,
+            "--token",
+            _token(),
+            "--wait",
+            "--timeout",
+            "30",
+        ],
+    )
+    assert result.exit_code == 3, result.output
+    assert "waiting_for_hardware" in result.output
+    assert "no live worker serves queue gpu.h200.x1" in result.output
+
+
+def test_submit_without_wait_exits_0(server: str) -> None:
+    result = CliRunner().invoke(
+        app, ["submit", str(SCOPE), "--server", server, "--token", _token()]
+    )
+    assert result.exit_code == 0
+    assert result.output.startswith("submission ")
+
+
+def test_submit_with_a_bad_token_exits_2(server: str) -> None:
+    result = CliRunner().invoke(app, ["submit", str(SCOPE), "--server", server, "--token", "nope"])
+    assert result.exit_code == 2
+    assert "HTTP 401" in result.output
+
+
+def test_submit_checks_the_manifest_before_sending(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(SCOPE.read_text().replace("phase: decode", "phase: training"))
+    result = CliRunner().invoke(
+        app, ["submit", str(bad), "--server", "http://127.0.0.1:9", "--token", "x"]
+    )
+    assert result.exit_code == 2
+    assert "workload.phase" in result.output
+
+
+def test_submit_to_no_server_exits_2() -> None:
+    result = CliRunner().invoke(
+        app, ["submit", str(SCOPE), "--server", "http://127.0.0.1:9", "--token", "x"]
+    )
+    assert result.exit_code == 2
+    assert "cannot reach" in result.output
+    get_settings.cache_clear()

@@ -1,9 +1,9 @@
-# One image for the API and the workers. The CPU build of torch keeps it small; a GPU worker
-# image installs the CUDA build instead (pip install torch) plus the [gpu] extra.
-FROM python:3.11-slim
+# One image for the API and the workers. The default torch wheel carries CUDA, so the same image
+# serves the GPU worker (with the NVIDIA container runtime) and the CPU services.
+FROM python:3.12-slim
 RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY . /app
-RUN pip install --no-cache-dir torch==2.13.0 -e .
+RUN pip install --no-cache-dir -e '.[gpu]'
 RUN useradd --create-home pathgate && mkdir -p /var/lib/pathgate && chown pathgate /var/lib/pathgate
 USER pathgate

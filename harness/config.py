@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import secrets
 from functools import lru_cache
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -33,6 +35,25 @@ class Settings(BaseSettings):
     requeue_after_s: float = 300.0  # a job still queued this long is enqueued again
     # Override the detected hardware of `pathgate worker` (e.g. "cpu" on a GPU host).
     worker_hardware: str | None = None
+
+    # Base URL of this service as users reach it (links in statuses, PR comments).
+    public_url: str = "http://127.0.0.1:8000"
+
+    # GitHub (docs/github.md). Workers never need these: statuses are posted from the API side.
+    github_webhook_secret: str | None = None
+    github_token: str | None = None  # plain token auth
+    github_app_id: int | None = None  # GitHub App auth (with the private key)
+    github_private_key_path: Path | None = None
+    github_api_url: str = "https://api.github.com"
+    # Pull requests from forks of first-time contributors wait for a maintainer's approval
+    # (the label below, or an approve on the dashboard) before any of their code runs.
+    github_require_approval_for_forks: bool = True
+    github_approval_label: str = "pathgate:approved"
+
+    # Dashboard sessions: the secret signing the session cookie (set it in deployment; the
+    # default is regenerated per process, so sessions end when the API restarts).
+    session_secret: str = Field(default_factory=lambda: secrets.token_urlsafe(32))
+    session_max_age_s: int = 8 * 3600
 
 
 @lru_cache

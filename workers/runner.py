@@ -95,8 +95,12 @@ def child_environment(workdir: Path) -> dict[str, str]:
     env["HOME"] = str(workdir)
     env["TMPDIR"] = str(workdir / "tmp")
     env["TRITON_CACHE_DIR"] = str(workdir / "triton-cache")
-    # Where the installed harness lives, so the child imports exactly the worker's harness.
-    env["PYTHONPATH"] = str(Path(harness.__file__).resolve().parents[1])
+    # The installed harness's folder first, so the child imports exactly the worker's harness;
+    # then the worker's PYTHONPATH (configuration, not a secret), where a worker's packages may
+    # live when they are not installed in the interpreter.
+    paths = [str(Path(harness.__file__).resolve().parents[1])]
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
 
 

@@ -21,6 +21,7 @@ from harness.store import repositories as repo
 from harness.store.db import new_session, session_scope
 from harness.store.models import Job, utcnow
 from workers.celery_app import app, enqueue
+from workers.routing import CPU_QUEUE
 from workers.runner import (
     ChildCrashed,
     ChildTimedOut,
@@ -76,6 +77,7 @@ def start_job(job_id: int, worker: str) -> StartedJob | None:
         submission = repo.get_submission(session, job.submission_id, owner_id=None)
         assert submission is not None
         workdir = settings.work_dir / f"job-{job.id}-attempt-{job.attempts}"
+        job_queue = job.queue
         try:
             source_dir = prepare_source(submission, workdir / "src")
         except SourceError as exc:
@@ -85,7 +87,8 @@ def start_job(job_id: int, worker: str) -> StartedJob | None:
     request = RunRequest(
         manifest_yaml=submission.manifest_text,
         source_dir=source_dir,
-        device="auto",
+        # the queue names the hardware: a GPU host serving `cpu` runs those jobs on its CPU
+        device="cpu" if job_queue == CPU_QUEUE else "cuda",
         timeout_s=settings.job_timeout_s,
         workdir=workdir,
     )

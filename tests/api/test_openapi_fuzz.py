@@ -1,13 +1,17 @@
 """Property-based fuzzing of the REST API from its own OpenAPI spec (schemathesis 4, in-process).
 
-Every operation in /openapi.json is called with generated requests (valid and invalid bodies,
-queries and path ids) through the ASGI app, authenticated as a maintainer, on a freshly migrated
-database: a SQLite file under tmp_path and a separate PostgreSQL database
-(`pathgate_schemathesis`, never `public` of `test`). Each response must not be a 5xx and, where
-the spec declares its status code, must match the declared schema. One submission is stored
-first so that generated ids also reach the found paths (reports, rerun).
+What it checks: every operation in the app's OpenAPI spec is called with generated requests
+(valid and invalid bodies, queries and path ids) through the ASGI app, authenticated as a
+maintainer, on a freshly migrated database: a SQLite file under tmp_path and a separate
+PostgreSQL database (`pathgate_schemathesis`, created if missing; never `public` of `test`).
+No response may be a 5xx, and a response whose status code the spec declares must match the
+declared schema. One submission is stored first, so generated ids also reach the found paths
+(reports, rerun); a second test gives generated submissions a valid manifest, so their other
+fields travel all the way into the database. The inputs fuzzing found 500s with are kept as
+explicit cases (a derandomized run need not draw them again).
 
-Bounded for CI: a few dozen derandomized examples per operation, no example database.
+Bounded for CI (about 30 s on 2 cores): 50 derandomized examples per operation, no example
+database. Run:
 
     .venv/bin/pytest tests/api/test_openapi_fuzz.py
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import schemathesis
@@ -33,12 +38,19 @@ from harness.store import repositories as repo
 from harness.store.db import engine_for, session_scope
 from harness.store.migrate import upgrade
 
-RMSNORM = (
-    Path(__file__).resolve().parents[2] / "scopes" / "fused-add-rmsnorm-h200.yaml"
-).read_text()
+SCOPES = Path(__file__).resolve().parents[2] / "scopes"
+RMSNORM = (SCOPES / "fused-add-rmsnorm-h200.yaml").read_text()
+SHA = "0123456789abcdef0123456789abcdef01234567"
 POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 FUZZ_DATABASE = "pathgate_schemathesis"
 MAX_EXAMPLES = 50
+FUZZ_SETTINGS = settings(
+    max_examples=MAX_EXAMPLES,
+    derandomize=True,  # the same examples on every run: stable in CI
+    database=None,  # no .hypothesis/ directory
+    deadline=None,  # the first request of a run pays for imports and connections
+    suppress_health_check=list(HealthCheck),  # the fixtures are shared across examples on purpose
+)
 
 
 class Recorder:
@@ -100,6 +112,7 @@ def auth_headers(fuzz_database: str) -> dict[str, str]:
 
 @pytest.fixture
 def fuzz_app(fuzz_database: str, auth_headers: dict[str, str]) -> FastAPI:
+    """The app, with submission 1 stored (and its jobs), so id 1 reaches the found paths."""
     app = create_app(enqueue=Recorder())
     with TestClient(app) as client:
         response = client.post(
@@ -111,31 +124,32 @@ def fuzz_app(fuzz_database: str, auth_headers: dict[str, str]) -> FastAPI:
     return app
 
 
-# The spec does not depend on the database: load it once, at collection (one test per operation).
-schema = schemathesis.openapi.from_dict(create_app(enqueue=Recorder()).openapi())
-
-
-@schema.parametrize()
-@settings(
-    max_examples=MAX_EXAMPLES,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-)
-def test_api_never_5xx_and_matches_its_schema(
-    case: schemathesis.Case, fuzz_app: FastAPI, auth_headers: dict[str, str]
-) -> None:
+def _call_and_check(case: schemathesis.Case, app: FastAPI, headers: dict[str, str]) -> None:
     case.call_and_validate(
-        app=fuzz_app,
-        headers=auth_headers,
+        app=app,
+        headers=headers,
         checks=[schemathesis.checks.not_a_server_error, response_schema_conformance],
     )
 
 
+# The spec does not depend on the database, so it is loaded once, at collection; schemathesis
+# then makes one test per operation (and pytest one per database).
+# (`schemathesis.pytest.from_fixture` would load it per test, but fails under pytest 9: it sets
+# the removed `Function._nodeid`.)
+schema = schemathesis.openapi.from_dict(create_app(enqueue=Recorder()).openapi())
+
+
+@schema.parametrize()
+@FUZZ_SETTINGS
+def test_api_never_5xx_and_matches_its_schema(
+    case: schemathesis.Case, fuzz_app: FastAPI, auth_headers: dict[str, str]
+) -> None:
+    _call_and_check(case, fuzz_app, auth_headers)
+
+
 def _with_valid_manifest(case: schemathesis.Case) -> schemathesis.Case:
-    """Random manifests never validate, so nothing would be stored: give the generated body a
-    valid one, so its other fields (the source) travel all the way to the database."""
+    """A generated manifest never validates, so nothing would be stored: give the generated body
+    a valid one, so that its other fields (the source) travel all the way into the database."""
     if isinstance(case.body, dict):
         case.body = {**case.body, "manifest": RMSNORM}
     return case
@@ -149,18 +163,35 @@ STORED_CASES = st.one_of(
 
 
 @given(case=STORED_CASES)
-@settings(
-    max_examples=MAX_EXAMPLES,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-)
+@FUZZ_SETTINGS
 def test_stored_submissions_never_5xx(
     case: schemathesis.Case, fuzz_app: FastAPI, auth_headers: dict[str, str]
 ) -> None:
-    case.call_and_validate(
-        app=fuzz_app,
-        headers=auth_headers,
-        checks=[schemathesis.checks.not_a_server_error, response_schema_conformance],
-    )
+    _call_and_check(case, fuzz_app, auth_headers)
+
+
+# Inputs that were answered with a 500 before harness/api and harness/submissions.py were fixed:
+# an id past the 32-bit id column (both databases), a NUL byte bound for a PostgreSQL text
+# column, and YAML nested past Python's recursion limit.
+FOUND: list[tuple[str, str, dict[str, Any] | None]] = [
+    ("GET", "/v1/submissions/2147483648", None),
+    ("GET", "/v1/submissions/9223372036854775808/report.json", None),
+    ("POST", "/v1/submissions/18446744073709551616/rerun", None),
+    ("GET", "/v1/submissions?scope=a%00b", None),
+    (
+        "POST",
+        "/v1/submissions",
+        {"manifest": RMSNORM, "source": {"kind": "git", "url": "https://h/r\x00", "sha": SHA}},
+    ),
+    ("POST", "/v1/scopes/validate", {"manifest": "[" * 20_000}),
+    ("POST", "/v1/submissions", {"manifest": "[" * 20_000, "source": {"kind": "in_tree"}}),
+]
+
+
+def test_inputs_fuzzing_found_are_422(fuzz_app: FastAPI, auth_headers: dict[str, str]) -> None:
+    with TestClient(fuzz_app, raise_server_exceptions=False) as client:
+        answers = [
+            (method, path[:60], client.request(method, path, json=body, headers=auth_headers))
+            for method, path, body in FOUND
+        ]
+    assert [(m, p, r.status_code) for m, p, r in answers if r.status_code != 422] == []

@@ -252,6 +252,26 @@ def _kernels(stock: float | None, candidate: float | None, source: str | None) -
     return f"{stock:g} / {candidate:g}" + (" ops" if source == "cpu-ops" else "")
 
 
+github_app = typer.Typer(help="GitHub commit statuses (docs/github.md).", no_args_is_help=True)
+app.add_typer(github_app, name="github")
+
+
+@github_app.command("sync")
+def github_sync() -> None:
+    """Post again the commit statuses whose posting failed, and verdicts never posted; exit 1
+    if some still fail."""
+    from harness.github.client import GitHubError, get_client
+    from harness.github.statuses import resync
+
+    try:
+        result = resync(get_client(get_settings()))
+    except GitHubError as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    out_console.print(f"posted {result.posted} status(es); {result.failed} still failing")
+    raise typer.Exit(1 if result.failed else 0)
+
+
 def main() -> None:
     try:
         app()

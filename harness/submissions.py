@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from harness.errors import InvalidInput, NotFound
 from harness.evaluation.evidence import Evidence
+from harness.github import hooks as github_hooks
 from harness.reports.markdown import render_markdown
 from harness.store import repositories as repo
 from harness.store.models import (
@@ -149,6 +150,7 @@ def install_enqueue_hook(session: Session, enqueue: Enqueue) -> None:
 
 def refresh_state(session: Session, submission: Submission, jobs: list[Job] | None = None) -> None:
     """The submission's state and verdict from its current round of jobs."""
+    previous = submission.state
     jobs = jobs if jobs is not None else _current_round(repo.jobs_of(session, submission.id))
     states = {job.state for job in jobs}
     verdicts = [job.verdict for job in jobs if job.verdict]
@@ -163,6 +165,7 @@ def refresh_state(session: Session, submission: Submission, jobs: list[Job] | No
     else:
         _finish_submission(session, submission, jobs)
     submission.verdict_reasons = _reasons(session, submission, jobs)
+    github_hooks.note_state_change(session, submission, previous)
 
 
 def _current_round(jobs: list[Job]) -> list[Job]:

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from harness import __version__
-from harness.api import health, submissions
+from harness.api import github, health, submissions
 from harness.api.limits import BodySizeLimit, RateLimiter, TooManyRequests
 from harness.config import get_settings
 from harness.errors import PathgateError
@@ -31,6 +31,7 @@ def create_app(enqueue: Enqueue | None = None) -> FastAPI:
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_minute)
     app.include_router(health.router)
     app.include_router(submissions.router)
+    app.include_router(github.router)
     app.add_exception_handler(PathgateError, _pathgate_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error)

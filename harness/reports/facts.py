@@ -1,0 +1,232 @@
+"""What every form of the report says, computed once from the evidence.
+
+The Markdown, the HTML and the dashboard show the same content; this module derives it (claim
+rows, the correctness summary, scope coverage, kernel counts, environment, warnings) so the forms
+cannot drift apart. Everything here is a field of the evidence or a statistic of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harness.evaluation.evidence import CaseEvidence, ClaimEvidence, Evidence
+
+# A speedup above this is possible (a fused kernel replacing a dozen launches) but rare enough
+# that a maintainer should look at how it was measured before believing it.
+IMPLAUSIBLE_SPEEDUP = 10.0
+CLAIM_STATUS_WORDS = {
+    "verified": "verified",
+    "refuted": "refuted",
+    "inconclusive": "inconclusive",
+    "not_measurable": "not measurable here",
+}
+# The environment rows a reviewer needs, in order, with the evidence key they come from.
+ENVIRONMENT_KEYS = (
+    ("GPU", "gpu_name"),
+    ("host GPU kind x count", None),
+    ("driver", "driver"),
+    ("CUDA", "cuda"),
+    ("torch", "torch"),
+    ("Triton", "triton"),
+    ("CuTe DSL", "cutlass_dsl"),
+    ("vLLM", "vllm"),
+    ("Python", "python"),
+    ("harness", "harness_version"),
+    ("harness SHA", "harness_sha"),
+    ("fingerprint", "fingerprint_hash"),
+)
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """Where the candidate came from (the submission's source; evidence alone does not say)."""
+
+    kind: str  # in_tree | git
+    url: str | None = None
+    sha: str | None = None
+
+
+@dataclass(frozen=True)
+class ClaimRow:
+    description: str
+    metric: str
+    where: str
+    hardware: str
+    claimed: str
+    measured: str
+    ci95: str
+    status: str  # the evidence's status key: verified / refuted / inconclusive / not_measurable
+    status_words: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class CorrectnessSummary:
+    cases: int
+    passed: int
+    failed: int  # any status but passed
+    worst_ratio: float | None
+    worst_case: str | None
+    probes: int
+    probes_passed: int
+
+
+@dataclass(frozen=True)
+class Coverage:
+    batches: list[int]
+    contexts: list[int]
+    cp: list[int]
+    gpus: list[int]
+    by_origin: dict[str, int]
+    not_run: list[str]
+
+
+def fmt(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def claim_rows(evidence: Evidence) -> list[ClaimRow]:
+    return [_claim_row(claim) for claim in evidence.claims]
+
+
+def _claim_row(claim: ClaimEvidence) -> ClaimRow:
+    spec = claim.claim
+    where = ", ".join(f"{k}={v}" for k, v in (spec.get("where") or {}).items()) or "all cases"
+    if spec.get("at_least") is not None:
+        claimed = f">= {spec['at_least']:g}"
+    elif spec.get("at_most") is not None:
+        claimed = f"<= {spec['at_most']:g}"
+    else:
+        claimed = "-"
+    ci = f"[{claim.ci95[0]:.4g}, {claim.ci95[1]:.4g}]" if claim.ci95 else "-"
+    return ClaimRow(
+        description=claim.description,
+        metric=str(spec.get("metric", "?")),
+        where=where,
+        hardware=str(spec.get("hardware") or "any"),
+        claimed=claimed,
+        measured=fmt(claim.measured),
+        ci95=ci,
+        status=claim.status,
+        status_words=CLAIM_STATUS_WORDS[claim.status],
+        reason=claim.reason,
+    )
+
+
+def correctness_summary(evidence: Evidence) -> CorrectnessSummary:
+    checked = [c for c in evidence.cases if c.correctness is not None]
+    worst = max(checked, key=lambda c: _ratio(c), default=None)
+    return CorrectnessSummary(
+        cases=len(evidence.cases),
+        passed=sum(c.status == "passed" for c in evidence.cases),
+        failed=sum(c.status != "passed" for c in evidence.cases),
+        worst_ratio=_ratio(worst) if worst else None,
+        worst_case=worst.id if worst else None,
+        probes=len(evidence.probes),
+        probes_passed=sum(p.status == "passed" for p in evidence.probes),
+    )
+
+
+def _ratio(case: CaseEvidence) -> float:
+    return case.correctness.worst_error_ratio if case.correctness else 0.0
+
+
+def coverage(evidence: Evidence) -> Coverage:
+    cases = evidence.cases
+    origins: dict[str, int] = {}
+    for case in cases:
+        origins[case.origin] = origins.get(case.origin, 0) + 1
+    return Coverage(
+        batches=sorted({c.batch for c in cases}),
+        contexts=sorted({c.context for c in cases if c.context is not None}),
+        cp=sorted({c.cp for c in cases}),
+        gpus=sorted({c.gpus for c in cases}),
+        by_origin=origins,
+        not_run=list(evidence.not_run),
+    )
+
+
+def kernel_counts(evidence: Evidence) -> list[tuple[str, float | None, float | None]]:
+    """(case id, stock kernels per layer, candidate kernels per layer) for timed cases."""
+    return [
+        (c.id, c.performance.stock_kernels_per_layer, c.performance.candidate_kernels_per_layer)
+        for c in evidence.cases
+        if c.performance is not None
+    ]
+
+
+def kernel_summary(evidence: Evidence) -> str:
+    counts = kernel_counts(evidence)
+    stock = sorted({s for _, s, _ in counts if s is not None})
+    candidate = sorted({k for _, _, k in counts if k is not None})
+    if not stock and not candidate:
+        return "no kernel counts (no case was timed)"
+    return f"stock {_span(stock)}, candidate {_span(candidate)} kernels per layer"
+
+
+def _span(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if values[0] == values[-1]:
+        return f"{values[0]:g}"
+    return f"{values[0]:g}-{values[-1]:g}"
+
+
+def environment_rows(evidence: Evidence, source: SourceInfo | None) -> list[tuple[str, str]]:
+    env = evidence.environment
+    rows = []
+    for label, key in ENVIRONMENT_KEYS:
+        if key is None:
+            value: Any = f"{env.get('host_gpu')} x {env.get('host_gpu_count')}"
+        else:
+            value = env.get(key)
+        rows.append((label, "-" if value is None else str(value)))
+    if source is not None and source.kind == "git":
+        rows.append(("candidate source", f"{source.url} at {source.sha}"))
+    elif source is not None:
+        rows.append(("candidate source", "in-tree (this pathgate checkout)"))
+    rows += [("run seed", str(evidence.run.seed)), ("device", evidence.run.device)]
+    rows += [("started", evidence.run.started_at), ("finished", evidence.run.finished_at)]
+    return rows
+
+
+def warnings(evidence: Evidence) -> list[str]:
+    """What a reviewer should double-check before trusting the numbers."""
+    found: list[str] = []
+    timed = [c for c in evidence.cases if c.performance is not None]
+    if any(not c.performance.is_gpu_evidence for c in timed if c.performance):
+        found.append("CPU timings: host-clock times of eager calls, not GPU evidence.")
+    fast = [c for c in timed if c.performance and c.performance.speedup > IMPLAUSIBLE_SPEEDUP]
+    if fast:
+        top = max(fast, key=lambda c: c.performance.speedup if c.performance else 0.0)
+        speedup = top.performance.speedup if top.performance else 0.0
+        found.append(
+            f"implausible speedup: {len(fast)} case(s) above {IMPLAUSIBLE_SPEEDUP:g}x "
+            f"(largest {speedup:.3g}x at {top.id}); check the stock path is the real baseline."
+        )
+    found += _hbm_warnings(timed)
+    cached = [c for c in timed if c.performance and not c.performance.exceeds_l2]
+    if cached and timed and cached[0].performance and cached[0].performance.is_gpu_evidence:
+        found.append(
+            f"{len(cached)} of {len(timed)} timed case(s) have a working set that fits in L2: "
+            "their layers may be served from cache rather than HBM."
+        )
+    return found
+
+
+def _hbm_warnings(timed: list[CaseEvidence]) -> list[str]:
+    beyond = [
+        c
+        for c in timed
+        if c.performance
+        and c.performance.candidate_hbm_fraction is not None
+        and c.performance.candidate_hbm_fraction > 1.0
+    ]
+    if not beyond:
+        return []
+    ids = ", ".join(c.id for c in beyond[:5])
+    return [
+        f"beyond the HBM floor: the candidate moved its bytes faster than the measured HBM "
+        f"bandwidth in {len(beyond)} case(s) ({ids}); the timing or the byte count is wrong."
+    ]

@@ -1,0 +1,136 @@
+"""On PostgreSQL (a database of its own, `pathgate_github`, since other tests drop `test`'s
+schema): one delivery sent 10 times at once creates its submissions once, and the 0002_github
+migration upgrades, downgrades and matches the models."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, func, inspect, select, text
+
+import harness.github.models  # noqa: F401 - puts the GitHub tables on Base.metadata
+from harness.api.app import create_app
+from harness.config import get_settings
+from harness.github.hooks import PULL_REQUEST_TASK
+from harness.store.db import engine_for, session_scope
+from harness.store.migrate import downgrade, upgrade
+from harness.store.models import Base, Submission, WebhookDelivery
+from tests.github.conftest import (
+    JobRecorder,
+    TaskRecorder,
+    delivery_headers,
+    set_env,
+)
+from tests.github.fake_github import FakeGitHub, FakeServer
+from tests.github.test_pull_requests import open_pull_request, run_github_tasks
+
+SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
+DATABASE = "pathgate_github"
+URL = f"{SERVER}/{DATABASE}"
+GITHUB_TABLES = {"github_pull_request_events", "github_status_postings"}
+COPIES = 10
+
+
+def _reset_database() -> None:
+    admin = create_engine(f"{SERVER}/test", isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        found = connection.execute(
+            text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": DATABASE}
+        ).scalar()
+        if not found:
+            connection.execute(text(f"CREATE DATABASE {DATABASE}"))
+    admin.dispose()
+    engine = create_engine(URL, isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
+        connection.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+
+
+@pytest.fixture
+def postgres(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    engine_for.cache_clear()
+    _reset_database()
+    set_env(monkeypatch, database_url=URL, github_webhook_secret="webhook-secret-for-tests")
+    set_env(monkeypatch, work_dir=str(tmp_path / "work"))
+    yield URL
+    engine_for(URL).dispose()
+    engine_for.cache_clear()
+    get_settings.cache_clear()
+
+
+def _tables(url: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        return set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def test_migration_upgrades_downgrades_and_matches_the_models(postgres: str) -> None:
+    upgrade(postgres)
+    assert GITHUB_TABLES <= _tables(postgres)
+    downgrade(postgres, "0001")
+    assert not GITHUB_TABLES & _tables(postgres)
+    assert "webhook_deliveries" in _tables(postgres)
+    upgrade(postgres)
+    engine = create_engine(postgres)
+    try:
+        with engine.connect() as connection:
+            differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+    finally:
+        engine.dispose()
+    assert differences == []
+    downgrade(postgres)
+    assert _tables(postgres) <= {"alembic_version"}
+
+
+def test_one_delivery_sent_ten_times_at_once_submits_once(
+    postgres: str, tasks: TaskRecorder, fake_token: FakeGitHub, tmp_path: Path
+) -> None:
+    upgrade(postgres)
+    pr = open_pull_request(tmp_path, fake_token)
+    body = httpx.Request("POST", "/", json=pr.payload("opened")).content
+    headers = delivery_headers(body, "pull_request", delivery="one-delivery")
+    api = FakeServer.__new__(FakeServer)  # the same thread runner, serving pathgate's API
+    api_config = uvicorn.Config(create_app(enqueue=JobRecorder()), port=0, log_level="warning")
+    server = uvicorn.Server(api_config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        threading.Event().wait(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    del api
+
+    start = threading.Barrier(COPIES)
+    answers: list[tuple[int, str]] = []
+
+    def send() -> None:
+        start.wait()
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/github/webhook", content=body, headers=headers
+        )
+        answers.append((response.status_code, response.json()["status"]))
+
+    senders = [threading.Thread(target=send) for _ in range(COPIES)]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join()
+    server.should_exit = True
+    thread.join(timeout=10)
+
+    assert sorted(answers) == [(200, "duplicate")] * (COPIES - 1) + [(202, "queued")]
+    assert [task for task, _ in tasks.sent] == [PULL_REQUEST_TASK]
+    run_github_tasks(tasks, JobRecorder())
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(WebhookDelivery)) == 1
+        scopes = session.scalars(select(Submission.scope)).all()
+    assert scopes == ["contrib-rmsnorm-cpu"]  # one valid manifest changed: one submission

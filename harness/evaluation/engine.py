@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import secrets
 import shlex
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 import torch
 
@@ -30,6 +32,7 @@ from harness.evaluation.evidence import (
     TrialEvidence,
 )
 from harness.evaluation.guard import check_probe
+from harness.evaluation.integrity import Snapshot
 from harness.evaluation.loading import (
     EntryPointError,
     LoadedPath,
@@ -45,6 +48,7 @@ from harness.evaluation.outcomes import (
     reasons_of,
 )
 from harness.evaluation.plan import Host, Plan, derive_seed, make_plan
+from harness.evaluation.prescreen import Finding, screen_files
 from harness.evaluation.profiling import profile_step
 from harness.evaluation.stats import median_ci95, speedup_ci95
 from harness.evaluation.timing import (
@@ -89,20 +93,12 @@ def evaluate(
     host = detect_host(options.device)
     secret_seed = options.seed if options.seed is not None else secrets.randbits(63)
     plan = make_plan(manifest, host, secret_seed, options.quick)
-    cases: list[CaseEvidence] = []
-    probes: list[ProbeEvidence] = []
     notes = [CPU_NOTE] if host.device == "cpu" else []
+    run = RunResults()
     if plan.runnable:
-        if host.device == "cpu":
-            use_triton_interpreter()
-        try:
-            path = load_path(manifest)
-        except EntryPointError as exc:
-            cases = [_case_evidence(c, Crashed(f"loading the path: {exc}")) for c in plan.cases]
-        else:
-            cases, probes = _run_plan(path, plan, manifest, host, secret_seed, options, progress)
-    claims = [check_claim(claim, cases, host.gpu) for claim in manifest.claims]
-    verdict, reasons = decide(cases, probes, claims, list(plan.not_run))
+        run = _run_path(manifest, plan, host, secret_seed, options, progress)
+    claims = [check_claim(claim, run.cases, host.gpu) for claim in manifest.claims]
+    verdict, reasons = decide(run.cases, run.probes, claims, list(plan.not_run), run.tampering)
     command = options.command or reproduce_command(
         f"scopes/{manifest.name}.yaml", host.device, options.quick, secret_seed
     )
@@ -121,11 +117,51 @@ def evaluate(
         ),
         environment=fingerprint(host),
         not_run=list(plan.not_run),
-        cases=cases,
-        probes=probes,
+        cases=run.cases,
+        probes=run.probes,
+        tampering=run.tampering,
+        warnings=run.warnings,
         claims=claims,
         notes=notes,
     )
+
+
+@dataclass
+class RunResults:
+    cases: list[CaseEvidence] = field(default_factory=list)
+    probes: list[ProbeEvidence] = field(default_factory=list)
+    tampering: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # the static pre-screen's findings
+
+
+def _run_path(
+    manifest: ScopeManifest,
+    plan: Plan,
+    host: Host,
+    secret_seed: int,
+    options: EngineOptions,
+    progress: ProgressFn | None,
+) -> RunResults:
+    if host.device == "cpu":
+        use_triton_interpreter()
+    snapshot = Snapshot.take()  # before any submitted code is imported
+    try:
+        path = load_path(manifest)
+    except EntryPointError as exc:
+        crashed = Crashed(f"loading the path: {exc}")
+        return RunResults(cases=[_case_evidence(c, crashed) for c in plan.cases])
+    run = RunResults(warnings=[str(f) for f in screen_entry_points(manifest)])
+    if _tampered(snapshot, "importing the path", run):
+        return run
+    _run_plan(path, plan, manifest, host, secret_seed, options, progress, run, snapshot)
+    return run
+
+
+def _tampered(snapshot: Snapshot, when: str, run: RunResults) -> bool:
+    replaced = snapshot.replaced()
+    if replaced:
+        run.tampering.append(f"{', '.join(replaced)} replaced while {when}")
+    return bool(replaced)
 
 
 def _run_plan(
@@ -136,30 +172,48 @@ def _run_plan(
     secret_seed: int,
     options: EngineOptions,
     progress: ProgressFn | None,
-) -> tuple[list[CaseEvidence], list[ProbeEvidence]]:
+    run: RunResults,
+    snapshot: Snapshot,
+) -> None:
+    """Cases, then probes; after each, check that nothing the harness relies on was replaced
+    (the first replacement ends the run: nothing measured after it can be trusted)."""
     device = torch.device(host.device)
     total = len(plan.cases) + len(plan.probes)
-    cases = []
     for index, case in enumerate(plan.cases):
         if progress:
             progress(index, total, case.id)
-        cases.append(run_case(path, case, manifest, secret_seed, options, device))
-    probes = []
+        run.cases.append(run_case(path, case, manifest, secret_seed, options, device))
+        if _tampered(snapshot, f"running {case.id}", run):
+            return
     for index, probe in enumerate(plan.probes, start=len(plan.cases)):
         if progress:
             progress(index, total, probe.origin)
         outcome = check_probe(path, probe, secret_seed, device)
-        probes.append(
+        run.probes.append(
             ProbeEvidence(
-                id=probe.id,
-                origin=probe.origin,
-                status=outcome.status,
-                reasons=reasons_of(outcome),
+                id=probe.id, origin=probe.origin, status=outcome.status, reasons=reasons_of(outcome)
             )
         )
+        if _tampered(snapshot, f"checking {probe.origin}", run):
+            return
     if progress:
         progress(total, total, "done")
-    return cases, probes
+
+
+def screen_entry_points(manifest: ScopeManifest) -> list[Finding]:
+    """The pre-screen over the files of the entry points' modules and their packages."""
+    files: set[Path] = set()
+    for spec in (
+        manifest.path.problem,
+        manifest.path.baseline,
+        manifest.path.candidate,
+        manifest.path.supports,
+    ):
+        module = sys.modules.get(spec.split(":", 1)[0])
+        origin = getattr(module, "__file__", None)
+        if origin:
+            files.update(Path(origin).parent.glob("*.py"))
+    return screen_files(sorted(files), Path.cwd())
 
 
 def run_case(

@@ -129,3 +129,7 @@ class Evidence(Model):
     probes: list[ProbeEvidence]
     claims: list[ClaimEvidence]
     notes: list[str]
+    # what the harness relies on that the submitted code replaced (any entry is a FAIL)
+    tampering: list[str] = []
+    # the static pre-screen's findings: for the reviewer, never a verdict by themselves
+    warnings: list[str] = []

@@ -129,8 +129,10 @@ def decide(
     probes: list[ProbeEvidence],
     claims: list[ClaimEvidence],
     not_run: list[str],
+    tampering: list[str] | None = None,
 ) -> tuple[Verdict, list[str]]:
-    failures = [
+    failures = [f"tampering: {t}" for t in tampering or []]
+    failures += [
         f"case {c.id}: {'; '.join(c.reasons)}" for c in cases if c.status in FAILING_CASE_STATUSES
     ]
     failures += [

@@ -1,0 +1,104 @@
+"""Tampering with the harness is a FAIL with the reason; the static pre-screen reports, for the
+reviewer, the constructs an attack would use."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness.evaluation.engine import EngineOptions, evaluate
+from harness.evaluation.prescreen import screen_files
+from harness.evaluation.timing import StopRule
+from scopes.manifest import validate_manifest
+from tests.fixtures import tampering_paths
+
+FAST = StopRule(min_pairs=2, max_pairs=2, max_seconds=1.0, ci_relative_width=1.0, pairs_per_batch=2)
+
+
+def _manifest(candidate: str) -> dict:
+    return {
+        "name": "tampering-test",
+        "summary": "tampering",
+        "path": {
+            "problem": "kernels.fused_add_rmsnorm.problem:Problem",
+            "baseline": "kernels.fused_add_rmsnorm.stock:forward",
+            "candidate": f"tests.fixtures.tampering_paths:{candidate}",
+            "supports": "tests.fixtures.bad_paths:honest_supports",
+        },
+        "model": {"id": "t", "dtype": "bfloat16", "config": {"hidden": 256}},
+        "hardware": {"gpu": ["cpu", "H200"], "gpus": [1]},
+        "workload": {"phase": "decode", "batch": {"min": 1, "max": 64}},
+    }
+
+
+@pytest.fixture(autouse=True)
+def restore_originals() -> Iterator[None]:
+    yield
+    tampering_paths.restore()
+
+
+@pytest.mark.parametrize(
+    ("candidate", "replaced"),
+    [
+        ("fast_clock_forward", "time.perf_counter"),
+        ("event_timer_forward", "torch.cuda.Event.elapsed_time"),
+        ("verdict_forward", "harness.evaluation.verdict.decide"),
+    ],
+)
+def test_replacing_what_the_harness_uses_is_a_fail(candidate: str, replaced: str) -> None:
+    manifest = validate_manifest(_manifest(candidate))
+    evidence = evaluate(manifest, EngineOptions(device="cpu", quick=True, seed=3, stop=FAST))
+    assert evidence.verdict == "FAIL"
+    assert evidence.tampering and replaced in evidence.tampering[0]
+    assert evidence.verdict_reasons[0].startswith("tampering: ")
+    # the run stops at the first replacement: nothing measured after it is kept
+    assert len(evidence.cases) == 1
+
+
+def test_an_honest_path_has_no_tampering() -> None:
+    manifest = validate_manifest(_manifest("fast_clock_forward"))
+    data = manifest.model_dump()
+    data["path"]["candidate"] = "tests.fixtures.bad_paths:honest_forward"
+    evidence = evaluate(
+        validate_manifest(data), EngineOptions(device="cpu", quick=True, seed=3, stop=FAST)
+    )
+    assert evidence.verdict == "PASS"
+    assert evidence.tampering == []
+
+
+def test_prescreen_reports_what_a_reviewer_should_see(tmp_path: Path) -> None:
+    source = tmp_path / "suspicious.py"
+    source.write_text(
+        "import os, socket, threading\n"
+        "import torch, time\n"
+        "s = torch.cuda.Stream()\n"
+        "token = os.environ.get('GITHUB_TOKEN')\n"
+        "time.perf_counter = lambda: 0.0\n"
+        "threading.Thread(target=print).start()\n"
+    )
+    findings = [str(f) for f in screen_files([source], tmp_path)]
+    expected = {
+        "suspicious.py:1: imports socket (network access)",
+        "suspicious.py:1: imports threading (threads)",
+        "suspicious.py:3: creates a CUDA stream",
+        "suspicious.py:4: reads the environment",
+        "suspicious.py:5: patches time.perf_counter",
+        "suspicious.py:6: starts a thread",
+    }
+    joined = "\n".join(findings)
+    for item in expected:
+        assert item in joined, joined
+
+
+def test_prescreen_of_the_shipped_kernel_is_quiet() -> None:
+    root = Path(__file__).resolve().parents[2]
+    files = sorted((root / "kernels" / "fused_add_rmsnorm").glob("*.py"))
+    assert screen_files(files, root) == []
+
+
+def test_prescreen_findings_reach_the_evidence() -> None:
+    manifest = validate_manifest(_manifest("fast_clock_forward"))
+    evidence = evaluate(manifest, EngineOptions(device="cpu", quick=True, seed=3, stop=FAST))
+    assert any("patches time.perf_counter" in w for w in evidence.warnings)

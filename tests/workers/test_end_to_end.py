@@ -53,21 +53,34 @@ def cpu_scope(candidate: str) -> str:
 
 @pytest.fixture
 def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Service]:
+    """PostgreSQL and Redis, as deployed."""
     reset_postgres()
     monkeypatch.setenv("PATHGATE_RATE_LIMIT_PER_MINUTE", "100000")  # the test polls often
     use_database(monkeypatch, POSTGRES_URL)
     upgrade(POSTGRES_URL)
     redis.Redis.from_url(REDIS_URL).flushdb()
-    service = Service(tmp_path)
+    service = Service(tmp_path, POSTGRES_URL, REDIS_URL)
+    yield service
+    service.stop_all()
+
+
+@pytest.fixture
+def embedded_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Service]:
+    """The defaults a new user gets: a SQLite file and the embedded (SQLite-backed) broker."""
+    database = f"sqlite:///{tmp_path / 'pathgate.db'}"
+    monkeypatch.setenv("PATHGATE_RATE_LIMIT_PER_MINUTE", "100000")
+    use_database(monkeypatch, database)
+    upgrade(database)
+    service = Service(tmp_path, database, f"sqla+sqlite:///{tmp_path / 'broker.db'}")
     yield service
     service.stop_all()
 
 
 class Service:
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
+    def __init__(self, tmp_path: Path, database_url: str, broker_url: str) -> None:
+        self.tmp_path, self.database_url, self.broker_url = tmp_path, database_url, broker_url
         self.workers: list[subprocess.Popen[bytes]] = []
-        settings = Settings(database_url=POSTGRES_URL, broker_url=REDIS_URL)
+        settings = Settings(database_url=database_url, broker_url=broker_url)
         celery = make_celery(settings)
         self.client = TestClient(
             create_app(
@@ -83,8 +96,8 @@ class Service:
     def start_worker(self, name: str) -> subprocess.Popen[bytes]:
         env = {
             **os.environ,
-            "PATHGATE_DATABASE_URL": POSTGRES_URL,
-            "PATHGATE_BROKER_URL": REDIS_URL,
+            "PATHGATE_DATABASE_URL": self.database_url,
+            "PATHGATE_BROKER_URL": self.broker_url,
             "PATHGATE_WORKER_HEARTBEAT_S": "1",
             "PATHGATE_WORKER_STALE_AFTER_S": "4",
             "PATHGATE_JOB_TIMEOUT_S": str(JOB_TIMEOUT_S),
@@ -196,6 +209,17 @@ def test_submission_runs_on_a_real_worker_and_its_report_is_served(service: Serv
     reports, results, _ = _counts(submission_id)
     assert reports == 1
     assert results == len(evidence["cases"]) + len(evidence["probes"])
+
+
+def test_the_same_flow_on_the_embedded_defaults(embedded_service: Service) -> None:
+    embedded_service.start_worker("w1")
+    submission_id = embedded_service.submit("tests.fixtures.bad_paths:honest_forward")
+    body = embedded_service.wait_finished(submission_id)
+    assert (body["state"], body["verdict"]) == ("passed", "PASS"), body
+    report = embedded_service.client.get(
+        f"/v1/submissions/{submission_id}/report.json", headers=embedded_service.headers
+    ).json()
+    assert report["jobs"][0]["evidence"]["verdict"] == "PASS"
 
 
 def test_worker_killed_mid_job_the_job_is_redone_and_stored_once(service: Service) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
+import harness.github.models  # noqa: F401  (GitHub tables share the metadata)
 from harness.config import get_settings
 from harness.store.models import Base
 

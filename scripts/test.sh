@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 # The pinned torch is a CPU build; an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/pip install -q torch==2.13.0 -e '.[dev]'
+.venv/bin/pip install -q torch==2.13.0 -e '.[dev,github]'
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy

@@ -10,7 +10,9 @@ from harness.config import Settings, get_settings
 
 def make_celery(settings: Settings) -> Celery:
     app = Celery(
-        "pathgate", broker=settings.broker_url, include=["workers.tasks", "workers.heartbeat"]
+        "pathgate",
+        broker=settings.broker_url,
+        include=["workers.tasks", "workers.heartbeat", "harness.github.tasks"],
     )
     app.conf.update(
         task_acks_late=True,  # a worker that dies mid-job leaves its message for another

@@ -59,13 +59,19 @@ def serve_all(host: str, port: int, embedded_worker: bool) -> None:
     from harness.api.app import create_app
 
     upgrade(get_settings().database_url)
-    worker = None
+    commands = []
     if embedded_worker:
-        worker = subprocess.Popen([sys.executable, "-m", "harness.cli", "worker"])
-        threading.Thread(target=_stop_if_worker_dies, args=(worker,), daemon=True).start()
+        commands.append([sys.executable, "-m", "harness.cli", "worker"])
+    # GitHub statuses are posted from the API's side (workers on GPU machines never hold GitHub
+    # credentials), by their own process so a status never waits behind an hour-long job.
+    commands.append([sys.executable, "-m", "harness.cli", "worker", "--queues", "github"])
+    processes = [subprocess.Popen(command) for command in commands]
+    for process in processes:
+        threading.Thread(target=_stop_if_worker_dies, args=(process,), daemon=True).start()
     try:
         uvicorn.run(create_app(), host=host, port=port)
     finally:
-        if worker is not None:
-            worker.send_signal(signal.SIGTERM)
-            worker.wait(timeout=30)
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            process.wait(timeout=30)

@@ -11,11 +11,13 @@ candidate is never taken for the evidence.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import os
 import secrets
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,6 +90,22 @@ def run_in_child(request: RunRequest) -> RunOutcome:
         return _run(request, Path(scratch).resolve())
 
 
+@functools.cache
+def network_isolation() -> tuple[str, ...]:
+    """A command prefix that starts the child in a new, empty network namespace (no interface
+    but a down loopback: every connect fails), or () where the OS does not allow it."""
+    if shutil.which("unshare") is None:
+        return ()
+    for prefix in (
+        ("unshare", "--net", "--"),
+        ("unshare", "--user", "--map-root-user", "--net", "--"),
+    ):
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+        if probe.returncode == 0:
+            return prefix
+    return ()
+
+
 def child_environment(workdir: Path) -> dict[str, str]:
     """The child's whole environment: an allow-list, never a copy of the worker's."""
     env = {name: os.environ[name] for name in PASSED_THROUGH if name in os.environ}
@@ -132,7 +150,7 @@ def _spawn(workdir: Path, log: IO[bytes], write_fd: int) -> subprocess.Popen[byt
     try:
         # -P: the cwd (the child's scratch, writable by the candidate) is not put on sys.path.
         return subprocess.Popen(
-            [sys.executable, "-P", "-m", "workers.child"],
+            [*network_isolation(), sys.executable, "-P", "-m", "workers.child"],
             stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,

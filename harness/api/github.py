@@ -21,8 +21,10 @@ class WebhookAnswer(BaseModel):
 router = APIRouter(prefix="/v1", tags=["github"])
 RESPONSES: dict[int | str, dict[str, Any]] = {
     202: {"model": WebhookAnswer, "description": "a pull request's work was queued"},
-    401: {"model": Problem, "description": "missing or wrong X-Hub-Signature-256"},
-    503: {"model": Problem, "description": "no webhook secret is configured here"},
+    401: {
+        "model": Problem,
+        "description": "missing or wrong X-Hub-Signature-256, or no webhook secret configured",
+    },
     **problem_responses(413, 422),
 }
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session
 
 from harness.config import Settings
-from harness.errors import InvalidInput, PathgateError, Unauthorized
+from harness.errors import InvalidInput, Unauthorized
 from harness.github import hooks
 from harness.github.events import ACTED_ON, PullRequestEvent, parse_pull_request
 from harness.store import github as store
@@ -23,8 +23,9 @@ from harness.store import github as store
 SIGNATURE_PREFIX = "sha256="
 
 
-class NotConfigured(PathgateError):
-    status_code = 503
+class NotConfigured(Unauthorized):
+    """No secret here, so no delivery can verify: a 401 that says why. (Not a 503: the API
+    answers no 5xx for anything a client sends; tests/api/test_openapi_fuzz.py holds it to that.)"""
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,17 @@ import pytest
 
 pytest.importorskip("githubkit")  # the `github` extra
 
-from cryptography.hazmat.primitives import serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import rsa  # noqa: E402
-from fastapi.testclient import TestClient  # noqa: E402
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from fastapi.testclient import TestClient
 
-from harness.api.app import create_app  # noqa: E402
-from harness.config import get_settings  # noqa: E402
-from harness.github import hooks  # noqa: E402
-from harness.github.webhooks import signature  # noqa: E402
-from harness.store.db import engine_for  # noqa: E402
-from harness.store.migrate import upgrade  # noqa: E402
-from tests.github.fake_github import FakeGitHub, FakeServer  # noqa: E402
+from harness.api.app import create_app
+from harness.config import get_settings
+from harness.github import hooks
+from harness.github.webhooks import signature
+from harness.store.db import engine_for
+from harness.store.migrate import upgrade
+from tests.github.fake_github import FakeGitHub, start_fake
 
 SECRET = "webhook-secret-for-tests"
 REPO = "acme/kernels"
@@ -97,7 +97,7 @@ def client(sqlite_store: str, tasks: TaskRecorder) -> Iterator[TestClient]:
 @pytest.fixture
 def fake_token(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGitHub]:
     fake = FakeGitHub(token="ghp_test_token")
-    server = FakeServer(fake).start()
+    server = start_fake(fake)
     set_env(monkeypatch, github_api_url=server.url, github_token="ghp_test_token")
     monkeypatch.delenv("PATHGATE_GITHUB_APP_ID", raising=False)
     yield fake
@@ -119,7 +119,7 @@ def fake_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeGi
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     fake = FakeGitHub(app_id=31337, public_key_pem=public)
-    server = FakeServer(fake).start()
+    server = start_fake(fake)
     set_env(
         monkeypatch,
         github_api_url=server.url,

@@ -7,7 +7,6 @@ and can answer one request with a rate-limit response carrying `retry-after`.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -137,7 +136,7 @@ def _check_run_problems(body: Any) -> list[str]:
     return problems
 
 
-def create_app(fake: FakeGitHub) -> FastAPI:  # noqa: C901 - one small handler per endpoint
+def create_app(fake: FakeGitHub) -> FastAPI:
     app = FastAPI()
 
     @app.middleware("http")
@@ -210,7 +209,7 @@ def create_app(fake: FakeGitHub) -> FastAPI:  # noqa: C901 - one small handler p
     @app.post("/repos/{owner}/{repo}/check-runs")
     async def check_run(owner: str, repo: str, request: Request) -> Response:
         authorization = request.headers.get("authorization", "")
-        if fake.app_id is None or (error := fake.check_installation_or_token(authorization)):
+        if fake.app_id is None or fake.check_installation_or_token(authorization):
             return _problem(fake, 403, "check runs need a GitHub App installation token")
         body = await request.json()
         if problems := _check_run_problems(body):
@@ -235,31 +234,32 @@ def _diff_entry(owner: str, repo: str, path: str, status: str) -> dict[str, Any]
     }
 
 
-class FakeServer:
-    """Runs the fake on a free local port until stop()."""
+class ServerThread:
+    """Serves an ASGI app on a free local port in a thread, until stop()."""
 
-    def __init__(self, fake: FakeGitHub) -> None:
-        self.fake = fake
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        config = uvicorn.Config(create_app(fake), port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+    def __init__(self, app: FastAPI) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.port = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> FakeServer:
+    def start(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the fake GitHub did not start")
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
             time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
         return self
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def start_fake(fake: FakeGitHub) -> ServerThread:
+    return ServerThread(create_app(fake)).start()

@@ -13,9 +13,12 @@ import yaml
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from harness.config import get_settings
 from harness.github import tasks as github_tasks
+from harness.github.client import get_client
 from harness.github.hooks import PULL_REQUEST_TASK, VERDICT_TASK
 from harness.github.models import StatusPosting
+from harness.github.pull_requests import process_event
 from harness.store import github as store
 from harness.store.db import session_scope
 from harness.store.models import ApiToken, Job, Submission
@@ -84,10 +87,6 @@ def open_pull_request(
 
 def run_github_tasks(tasks: TaskRecorder, jobs: JobRecorder) -> None:
     """What the "github" worker would do with the tasks sent so far."""
-    from harness.github.client import get_client
-    from harness.github.pull_requests import process_event
-    from harness.config import get_settings
-
     for event_id in tasks.take(PULL_REQUEST_TASK):
         process_event(event_id, get_client(get_settings()), jobs)
     for submission_id in tasks.take(VERDICT_TASK):

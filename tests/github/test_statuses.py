@@ -42,7 +42,11 @@ def _statuses(fake: FakeGitHub, context: str = CONTEXT) -> list[dict]:
 
 @pytest.mark.parametrize(
     ("job_state", "status", "label"),
-    [("error", "error", "error"), ("timed_out", "error", "timed out"), ("failed", "failure", "FAIL")],
+    [
+        ("error", "error", "error"),
+        ("timed_out", "error", "timed out"),
+        ("failed", "failure", "FAIL"),
+    ],
 )
 def test_a_verdict_without_evidence_maps_to_its_status(
     client: TestClient,
@@ -78,7 +82,9 @@ def test_a_submission_not_from_github_posts_nothing(
             job = session.get(Job, job_id)
             assert job is not None
             submission_service.record_failure(session, job, "error", "boom", "")
-            submission_service.refresh_state(session, repo.lock_submission(session, job.submission_id))
+            submission_service.refresh_state(
+                session, repo.lock_submission(session, job.submission_id)
+            )
     assert tasks.sent == []
 
 
@@ -110,7 +116,9 @@ def test_a_rate_limit_answer_is_retried_after_the_time_github_names(
     headers: dict[str, str],
 ) -> None:
     reset = str(int(time.time()) + 2)  # at most 2 s from now; pathgate waits at least 1 s
-    fake_token.rate_limit_once("/statuses/", status, {k: v.replace("RESET", reset) for k, v in headers.items()})
+    fake_token.rate_limit_once(
+        "/statuses/", status, {k: v.replace("RESET", reset) for k, v in headers.items()}
+    )
     deliver(client, "pull_request", open_pull_request(tmp_path, fake_token).payload("opened"))
     run_github_tasks(tasks, JobRecorder())
     first, second = [c for c in fake_token.posted("statuses")][:2]
@@ -129,7 +137,9 @@ def test_sync_reposts_failed_postings_and_unposted_verdicts(
     deliver(client, "pull_request", open_pull_request(tmp_path, fake_token).payload("opened"))
     run_github_tasks(tasks, JobRecorder())
     with session_scope() as session:
-        failed = session.scalars(select(StatusPosting).where(StatusPosting.posted_at.is_(None))).one()
+        failed = session.scalars(
+            select(StatusPosting).where(StatusPosting.posted_at.is_(None))
+        ).one()
         assert failed.attempts == 1 and "HTTP 429" in (failed.last_error or "")
     # and a verdict whose task message was lost
     _finish_without_evidence("error", "the evaluation crashed")
@@ -141,5 +151,8 @@ def test_sync_reposts_failed_postings_and_unposted_verdicts(
     # the rate-limited pending status, the same again from sync, then the verdict
     assert [s["state"] for s in _statuses(fake_token)] == ["pending", "pending", "error"]
     with session_scope() as session:
-        assert session.scalars(select(StatusPosting).where(StatusPosting.posted_at.is_(None))).all() == []
+        assert (
+            session.scalars(select(StatusPosting).where(StatusPosting.posted_at.is_(None))).all()
+            == []
+        )
     assert len(submissions()) == 1

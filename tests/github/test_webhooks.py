@@ -64,12 +64,12 @@ def test_a_changed_byte_or_a_missing_header_is_401_and_stores_nothing(
     assert (_count(WebhookDelivery), tasks.sent) == (0, [])
 
 
-def test_without_a_configured_secret_the_webhook_is_503(
+def test_without_a_configured_secret_the_webhook_is_401_and_says_why(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     set_env(monkeypatch, github_webhook_secret="")
     response = deliver(client, "ping", {"zen": "Keep it logically awesome."})
-    assert response.status_code == 503
+    assert response.status_code == 401
     assert "PATHGATE_GITHUB_WEBHOOK_SECRET" in response.json()["detail"]
 
 

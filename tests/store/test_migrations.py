@@ -7,6 +7,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
+import harness.github.models  # noqa: F401  (its tables are part of the metadata)
 from harness.store.migrate import downgrade, upgrade
 from harness.store.models import Base
 from tests.service_fixtures import POSTGRES_URL, reset_postgres
@@ -22,6 +23,8 @@ TABLES = {
     "submissions",
     "webhook_deliveries",
     "worker_heartbeats",
+    "github_pull_request_events",
+    "github_status_postings",
 }
 
 

@@ -9,6 +9,7 @@ Each child imports torch, so each run takes a few seconds.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -28,6 +29,7 @@ from workers.runner import (
     RunOutcome,
     RunRequest,
     authenticated_message,
+    network_isolation,
     run_in_child,
 )
 
@@ -201,7 +203,7 @@ def test_child_gets_only_the_allow_listed_environment(
     assert not [k for k, v in env.items() if "secret" in k.lower() or "secret" in v.lower()]
     assert env["HOME"] == str(workdir.resolve())
     assert Path(env["TMPDIR"]).parent == Path(env["TRITON_CACHE_DIR"]).parent == workdir.resolve()
-    assert env["PYTHONPATH"] == str(REPO_ROOT)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)
 
 
 def test_child_runs_under_resource_limits(tmp_path: Path) -> None:
@@ -248,3 +250,14 @@ def test_checkout_imports_its_own_module_but_cannot_shadow_the_harness(tmp_path:
     )
     assert isinstance(outcome, Finished), outcome
     assert outcome.evidence.verdict == "PASS", outcome.evidence.verdict_reasons
+
+
+def test_child_has_no_network(tmp_path: Path) -> None:
+    if not network_isolation():
+        pytest.skip("this OS does not allow a new network namespace (unshare)")
+    workdir = tmp_path / "work"
+    outcome = run(hostile("connects_forward"), workdir)
+    assert isinstance(outcome, Finished), outcome
+    # PostgreSQL listens on 127.0.0.1:5432 on this machine; from the child it is unreachable
+    result = (workdir / hostile_paths.NETWORK_FILE).read_text()
+    assert result.startswith("refused:"), result

@@ -10,22 +10,15 @@ from sqlalchemy.orm import Session
 
 from harness.errors import Forbidden, Unauthorized
 from harness.store import repositories as repo
-from harness.store.db import new_session
+from harness.store.db import session_scope
 from harness.store.models import ApiToken
 from harness.submissions import install_enqueue_hook
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    session = new_session()
-    install_enqueue_hook(session, request.app.state.enqueue)
-    try:
+    """The request's unit of work: committed when the route returns, rolled back on error."""
+    with session_scope(lambda s: install_enqueue_hook(s, request.app.state.enqueue)) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

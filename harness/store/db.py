@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -43,9 +43,12 @@ def new_session() -> Session:
 
 
 @contextmanager
-def session_scope() -> Iterator[Session]:
-    """A unit of work: commit on success, roll back on error."""
+def session_scope(prepare: Callable[[Session], None] | None = None) -> Iterator[Session]:
+    """A unit of work: commit on success, roll back on error. `prepare` sees the new session
+    first (the API installs its enqueue-after-commit hook there)."""
     session = new_session()
+    if prepare is not None:
+        prepare(session)
     try:
         yield session
         session.commit()

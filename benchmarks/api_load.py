@@ -60,14 +60,18 @@ class Recorder:
 
     latencies: dict[str, list[float]] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
+    error_kinds: dict[str, int] = field(default_factory=dict)  # "POST ... 500": count
     ids: list[int] = field(default_factory=list)
     recording: bool = False
 
-    def add(self, op: str, seconds: float, ok: bool) -> None:
+    def add(self, op: str, seconds: float, error: str | None) -> None:
         if not self.recording:
             return
         self.latencies.setdefault(op, []).append(seconds)
-        self.errors[op] = self.errors.get(op, 0) + (0 if ok else 1)
+        self.errors[op] = self.errors.get(op, 0) + (error is not None)
+        if error is not None:
+            kind = f"{op}: {error}"
+            self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
 
 
 # --- the database, the broker and the server ------------------------------------------------
@@ -198,27 +202,34 @@ def machine_cpu_s() -> tuple[float, float]:
 async def one_request(client: httpx.AsyncClient, recorder: Recorder, post: bool) -> None:
     op = "POST /v1/submissions" if post else "GET /v1/submissions/{id}"
     started = time.perf_counter()
+    response, error = None, None
     try:
         if post:
             body = {"manifest": MANIFEST, "source": {"kind": "in_tree"}}
             response = await client.post("/v1/submissions", json=body)
         else:
             response = await client.get(f"/v1/submissions/{random.choice(recorder.ids)}")
-        ok = response.is_success
-    except httpx.HTTPError:
-        ok, response = False, None
-    recorder.add(op, time.perf_counter() - started, ok)
-    if post and ok and response is not None:
+        error = None if response.is_success else f"HTTP {response.status_code}"
+    except httpx.HTTPError as exc:
+        error = type(exc).__name__
+    recorder.add(op, time.perf_counter() - started, error)
+    if post and response is not None and error is None:
         recorder.ids.append(int(response.json()["id"]))
 
 
 async def client_loop(
-    base: str, token: str, recorder: Recorder, post_share: float, stop_at: float
+    base: str, token: str, recorder: Recorder, args: argparse.Namespace, stop_at: float
 ) -> None:
+    """Requests back to back or, with --rate, one every clients/rate seconds (a late request
+    is followed by the next one at once; missed slots are not made up)."""
     headers = {"Authorization": f"Bearer {token}"}
+    interval = args.clients / args.rate if args.rate > 0 else 0.0
+    next_at = time.monotonic() + random.uniform(0, interval)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=30) as client:
         while time.monotonic() < stop_at:
-            await one_request(client, recorder, random.random() < post_share)
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            await one_request(client, recorder, random.random() < args.post_share)
+            next_at = max(next_at + interval, time.monotonic()) if interval else 0.0
 
 
 async def seed(base: str, token: str, recorder: Recorder) -> None:
@@ -235,7 +246,7 @@ async def run_load(args: argparse.Namespace, base: str, token: str) -> Recorder:
     await seed(base, token, recorder)
     stop_at = time.monotonic() + args.warmup + args.seconds
     loops = [
-        asyncio.create_task(client_loop(base, token, recorder, args.post_share, stop_at))
+        asyncio.create_task(client_loop(base, token, recorder, args, stop_at))
         for _ in range(args.clients)
     ]
     await asyncio.sleep(args.warmup)
@@ -306,6 +317,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds, not recorded")
     parser.add_argument("--post-share", type=float, default=0.5, help="share of POSTs")
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="total requests/s to pace at; 0: back to back"
+    )
     parser.add_argument("--database-url", default=DATABASE_URL)
     parser.add_argument("--broker-url", default=BROKER_URL)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "api_load.json")
@@ -323,6 +337,7 @@ def measure(args: argparse.Namespace, token: str) -> dict[str, Any]:
         server_s = group_cpu_s(server.pid) - server0
     return {
         "rows": summarize(recorder, args.seconds),
+        "errors": recorder.error_kinds,
         "cpu": cpu_split(client_s, server_s, busy1 - busy0, total1 - total0),
     }
 
@@ -336,12 +351,15 @@ def main() -> int:
         result = measure(args, token)
     finally:
         flush_broker(args.broker_url)
+    pacing = f"paced at {args.rate:g} req/s" if args.rate > 0 else "back to back"
     print(
-        f"{args.clients} clients, {args.seconds:g} s (after {args.warmup:g} s warm-up), "
+        f"{args.clients} clients ({pacing}), {args.seconds:g} s after {args.warmup:g} s warm-up, "
         f"{args.workers} uvicorn workers, POST share {args.post_share:g}, "
         f"{os.cpu_count()} CPU cores"
     )
     print_table(result["rows"])
+    for kind, count in sorted(result["errors"].items()):
+        print(f"  error: {kind} x{count}")
     cpu = result["cpu"]
     print(
         "CPU (share of the machine): busy {machine_busy:.0%}; load client {load_client:.0%}, "

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path as FilePath
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Form, Query, Request
+from fastapi import APIRouter, Form, Path, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from markupsafe import Markup
 from pydantic import ValidationError
@@ -28,8 +28,12 @@ from harness.config import get_settings
 from harness.evaluation.evidence import Evidence
 from harness.reports.compare import compare_runs
 from harness.reports.facts import SourceInfo
-from harness.reports.html import ReportCache, render_report_page, render_report_section
-from harness.reports.html import template_environment
+from harness.reports.html import (
+    ReportCache,
+    render_report_page,
+    render_report_section,
+    template_environment,
+)
 from harness.reports.markdown import render_markdown
 from harness.reports.plots import LineChart, Series, line_chart
 from harness.store import dashboard as store
@@ -37,13 +41,15 @@ from harness.store import repositories as repo
 from harness.store.models import SUBMISSION_STATES, ApiToken, Job, Report, Submission
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
-TEMPLATES = template_environment(Path(__file__).parent / "templates")
+TEMPLATES = template_environment(FilePath(__file__).parent / "templates")
 REPORT_CACHE = ReportCache(max_entries=128)
 PER_PAGE = 50
 VERDICTS = ("PASS", "FAIL", "INCONCLUSIVE")
 DECISIONS = {"approve": "approved", "request_changes": "changes requested"}
 MAX_COMMENT_CHARS = 4000
+# Ids are 32-bit columns: a larger one would overflow in the driver (a 500); it is a 422 instead.
 Id = Annotated[int, Query(ge=1, le=2**31 - 1)]
+PathId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,11 @@ def _viewer(request: Request, db: SessionDep) -> Viewer | None:
 
 
 def _render(
-    request: Request, template: str, status: int = 200, viewer: Viewer | None = None, **ctx: Any
+    request: Request,
+    template: str,
+    status_code: int = 200,
+    viewer: Viewer | None = None,
+    **ctx: Any,
 ) -> HTMLResponse:
     """A page; a visitor without a session gets an anonymous one, so its forms carry CSRF."""
     session = viewer.session if viewer else _cookie_session(request)
@@ -88,7 +98,7 @@ def _render(
     html = TEMPLATES.get_template(template).render(
         viewer=viewer, csrf=session.csrf, when=_when, **ctx
     )
-    response = HTMLResponse(html, status_code=status)
+    response = HTMLResponse(html, status_code=status_code)
     if fresh:
         _set_cookie(request, response, session)
     return response
@@ -97,9 +107,7 @@ def _render(
 def _set_cookie(request: Request, response: Response, session: web.WebSession) -> None:
     settings = get_settings()
     secure = request.url.scheme == "https"
-    web.set_cookie(
-        response, session, settings.session_secret, settings.session_max_age_s, secure
-    )
+    web.set_cookie(response, session, settings.session_secret, settings.session_max_age_s, secure)
 
 
 def _error(request: Request, status: int, message: str, viewer: Viewer | None = None) -> Response:
@@ -200,7 +208,7 @@ def submissions_list(
         page=page,
         pages=max(1, -(-total // PER_PAGE)),
         filters=filters,
-        query=lambda **changes: _query(filters, page, **changes),
+        query=lambda **changes: _query(filters, **changes),
         states=SUBMISSION_STATES,
         verdicts=VERDICTS,
         scopes=store.scopes(db, viewer.owner_id),
@@ -208,23 +216,25 @@ def submissions_list(
     )
 
 
-def _query(filters: store.ListFilter, page: int, **changes: Any) -> str:
+def _query(filters: store.ListFilter, **changes: Any) -> str:
     """The list's query string with some parameters changed (pagination keeps the filters)."""
     params = {
         "state": filters.state,
         "scope": filters.scope,
         "verdict": filters.verdict,
         "submitter": filters.submitter,
-        "page": page,
     } | changes
-    return urlencode({k: v for k, v in params.items() if v not in (None, "", 1) or k != "page"})
+    kept = {k: v for k, v in params.items() if v not in (None, "")}
+    if kept.get("page") == 1:
+        del kept["page"]
+    return urlencode(kept)
 
 
 # --- one submission --------------------------------------------------------------------------
 
 
 @router.get("/submissions/{submission_id}", response_class=HTMLResponse)
-def submission_page(request: Request, db: SessionDep, submission_id: int) -> Response:
+def submission_page(request: Request, db: SessionDep, submission_id: PathId) -> Response:
     viewer = _viewer(request, db)
     if viewer is None:
         return _to_login(request)
@@ -273,8 +283,10 @@ def _section(report: Report, source: SourceInfo) -> Markup:
     def render() -> Markup:
         evidence = _evidence(report)
         if evidence is None:
-            return Markup("<p class='error-page'>This report's evidence does not match the "
-                          "current schema; download evidence.json to read it.</p>")
+            return Markup(
+                "<p class='error-page'>This report's evidence does not match the "
+                "current schema; download evidence.json to read it.</p>"
+            )
         return render_report_section(evidence, source)
 
     return REPORT_CACHE.get_or_render(report.id, render)
@@ -291,7 +303,7 @@ def _evidence(report: Report) -> Evidence | None:
 def review(
     request: Request,
     db: SessionDep,
-    submission_id: int,
+    submission_id: PathId,
     decision: Annotated[str, Form(max_length=32)] = "",
     comment: Annotated[str, Form(max_length=MAX_COMMENT_CHARS)] = "",
     csrf: Annotated[str, Form(max_length=200)] = "",
@@ -308,7 +320,9 @@ def review(
         return _error(request, 404, f"No submission {submission_id}.", viewer)
     record = store.add_review(db, submission.id, viewer.token.id, decision, comment.strip())
     detail = {"review_id": record.id, "decision": decision, "comment": comment.strip()}
-    repo.record_audit(db, viewer.token.name, f"review.{decision}", f"submission:{submission.id}", detail)
+    repo.record_audit(
+        db, viewer.token.name, f"review.{decision}", f"submission:{submission.id}", detail
+    )
     return RedirectResponse(f"/dashboard/submissions/{submission.id}#reviews", status_code=303)
 
 
@@ -328,7 +342,7 @@ def _visible_report(
 
 
 @router.get("/reports/{report_id}/evidence.json")
-def evidence_json(request: Request, db: SessionDep, report_id: int) -> Response:
+def evidence_json(request: Request, db: SessionDep, report_id: PathId) -> Response:
     found = _visible_report(request, db, report_id)
     if isinstance(found, Response):
         return found
@@ -339,7 +353,7 @@ def evidence_json(request: Request, db: SessionDep, report_id: int) -> Response:
 
 
 @router.get("/reports/{report_id}/report.md")
-def report_markdown(request: Request, db: SessionDep, report_id: int) -> Response:
+def report_markdown(request: Request, db: SessionDep, report_id: PathId) -> Response:
     found = _visible_report(request, db, report_id)
     if isinstance(found, Response):
         return found
@@ -351,7 +365,7 @@ def report_markdown(request: Request, db: SessionDep, report_id: int) -> Respons
 
 
 @router.get("/reports/{report_id}/report.html", response_class=HTMLResponse)
-def report_page(request: Request, db: SessionDep, report_id: int) -> Response:
+def report_page(request: Request, db: SessionDep, report_id: PathId) -> Response:
     found = _visible_report(request, db, report_id)
     if isinstance(found, Response):
         return found

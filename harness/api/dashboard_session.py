@@ -60,8 +60,11 @@ def decode(value: str | None, secret: str, max_age_s: int) -> WebSession | None:
         return None
     try:
         data = json.loads(body)
-        session = WebSession(int(data["token_id"]) if data["token_id"] is not None else None,
-                             str(data["csrf"]), int(data["issued_at"]))
+        session = WebSession(
+            int(data["token_id"]) if data["token_id"] is not None else None,
+            str(data["csrf"]),
+            int(data["issued_at"]),
+        )
     except (ValueError, KeyError, TypeError):
         return None
     return session if time.time() - session.issued_at <= max_age_s else None

@@ -5,9 +5,12 @@ from __future__ import annotations
 import html
 from typing import Any
 
-import markdown
+from markupsafe import Markup
 from sqlalchemy.orm import Session
 
+from harness.evaluation.evidence import Evidence
+from harness.reports.facts import SourceInfo
+from harness.reports.html import render_report_section, render_sections_page
 from harness.store import repositories as repo
 from harness.store.models import Submission
 
@@ -65,13 +68,29 @@ def render_combined_markdown(report: dict[str, Any]) -> str:
 
 
 def render_combined_html(report: dict[str, Any]) -> str:
-    # Evidence carries submitted text (exception messages, names): no raw HTML may pass through.
-    source = render_combined_markdown(report).replace("<", "&lt;")
-    body = markdown.markdown(source, extensions=["tables", "fenced_code"])
-    title = html.escape(f"pathgate: submission {report['submission']}")
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
-        "<style>body{font-family:sans-serif;max-width:72rem;margin:2rem auto}"
-        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}"
-        "</style></head><body>" + body + "</body></html>"
+    """The submission's summary, then each job's HTML report (tables and plots) from its evidence;
+    a job without evidence shows its state and reason. Everything is escaped (templates)."""
+    source = report["source"]
+    info = SourceInfo(source["kind"], source["url"], source["sha"])
+    verdict = report["verdict"] or report["state"]
+    sections = [_summary_html(report, verdict)]
+    for job in report["jobs"]:
+        heading = f"<h2>Job {job['id']} on <code>{html.escape(job['queue'])}</code>: "
+        heading += f"{html.escape(job['state'])}</h2>"
+        if job["evidence"] is not None:
+            evidence = Evidence.model_validate(job["evidence"])
+            sections.append(Markup(heading) + render_report_section(evidence, info))
+        else:
+            reason = f"<p>{html.escape(job['reason'])}</p>" if job["reason"] else ""
+            sections.append(Markup(heading + reason))
+    title = f"pathgate: submission {report['submission']}: {verdict}"
+    return render_sections_page(title, sections)
+
+
+def _summary_html(report: dict[str, Any], verdict: str) -> Markup:
+    reasons = "".join(f"<li>{html.escape(r)}</li>" for r in report["verdict_reasons"])
+    return Markup(
+        f"<h1>Submission {report['submission']}: {html.escape(report['scope'])}: "
+        f"<span class='verdict verdict-{html.escape(verdict)}'>{html.escape(verdict)}</span></h1>"
+        f"<ul>{reasons}</ul>"
     )

@@ -153,15 +153,22 @@ def _figure(key: str, caption: str, svg: str) -> Figure:
 def _groups(cases: list[CaseEvidence]) -> dict[str, list[CaseEvidence]]:
     """Cases by everything but batch (context, CP, GPUs, dtype), each sorted by batch: one line
     per group. The label names only what varies, so a batch-only scope has one unlabelled group."""
-    keys = {(c.context, c.cp, c.gpus, c.dtype) for c in cases}
+    keys = {_group_key(c) for c in cases}
     varying = [len({k[i] for k in keys}) > 1 for i in range(4)]
-    names = ("context", "cp", "gpus", "")
     groups: dict[str, list[CaseEvidence]] = {}
     for case in sorted(cases, key=lambda c: (c.context or 0, c.cp, c.gpus, c.dtype, c.batch)):
-        key = (case.context, case.cp, case.gpus, case.dtype)
-        label = " ".join(f"{n}={v}" if n else str(v) for n, v, on in zip(names, key, varying) if on)
-        groups.setdefault(label, []).append(case)
+        groups.setdefault(_group_label(_group_key(case), varying), []).append(case)
     return groups
+
+
+def _group_key(case: CaseEvidence) -> tuple[int | None, int, int, str]:
+    return case.context, case.cp, case.gpus, case.dtype
+
+
+def _group_label(key: tuple[int | None, int, int, str], varying: list[bool]) -> str:
+    names = ("context=", "cp=", "gpus=", "")
+    parts = [f"{name}{value}" for name, value, on in zip(names, key, varying, strict=True) if on]
+    return " ".join(parts)
 
 
 def _named(path: str, label: str) -> str:
@@ -177,14 +184,14 @@ def _latency(timed: dict[str, list[CaseEvidence]]) -> str:
                 _named("stock", label),
                 [(b, p.stock_us_median) for b, p in perfs],
                 [p.stock_us_ci95 for _, p in perfs],
-                color,
+                2 * color + 1,
                 dashed=True,
             ),
             Series(
                 _named("candidate", label),
                 [(b, p.candidate_us_median) for b, p in perfs],
                 [p.candidate_us_ci95 for _, p in perfs],
-                color,
+                2 * color,
             ),
         ]
     return line_chart(LineChart("Latency per layer", "batch", "µs per layer", series))
@@ -195,8 +202,14 @@ def _speedup(evidence: Evidence, timed: dict[str, list[CaseEvidence]]) -> str:
     for color, (label, cases) in enumerate(timed.items()):
         perfs = [(c.batch, c.performance) for c in cases if c.performance]
         points = [(b, p.speedup) for b, p in perfs]
-        series.append(Series(_named("speedup", label), points, [p.speedup_ci95 for _, p in perfs], color))
-    refs = [_claim_line(claim.claim) for claim in evidence.claims if claim.claim.get("metric") == "speedup"]
+        series.append(
+            Series(_named("speedup", label), points, [p.speedup_ci95 for _, p in perfs], color)
+        )
+    refs = [
+        _claim_line(claim.claim)
+        for claim in evidence.claims
+        if claim.claim.get("metric") == "speedup"
+    ]
     chart = LineChart("Speedup (stock / candidate)", "batch", "speedup (x)", series, refs)
     return line_chart(chart)
 
@@ -204,10 +217,14 @@ def _speedup(evidence: Evidence, timed: dict[str, list[CaseEvidence]]) -> str:
 def _claim_line(claim: dict[str, object]) -> RefLine:
     bound = claim.get("at_least", claim.get("at_most"))
     sign = ">=" if claim.get("at_least") is not None else "<="
-    where = claim.get("where") or {}
-    scope = " " + ",".join(f"{k}={v}" for k, v in where.items()) if isinstance(where, dict) else ""
     value = float(bound) if isinstance(bound, int | float) else 0.0
-    return RefLine(value, f"claim {sign} {value:g}{scope}")
+    where = claim.get("where")
+    parts = [f"claim {sign} {value:g}"]
+    if isinstance(where, dict) and where:
+        parts.append(",".join(f"{k}={v}" for k, v in where.items()))
+    if claim.get("hardware"):
+        parts.append(f"on {claim['hardware']}")
+    return RefLine(value, " ".join(parts))
 
 
 def _errors(checked: dict[str, list[CaseEvidence]]) -> str:
@@ -215,8 +232,10 @@ def _errors(checked: dict[str, list[CaseEvidence]]) -> str:
     for color, (label, cases) in enumerate(checked.items()):
         worst = [(c.batch, *_worst_errors(c)) for c in cases]
         series += [
-            Series(_named("stock", label), [(b, s) for b, _, s in worst], None, color, dashed=True),
-            Series(_named("candidate", label), [(b, k) for b, k, _ in worst], None, color),
+            Series(
+                _named("stock", label), [(b, s) for b, _, s in worst], None, 2 * color + 1, True
+            ),
+            Series(_named("candidate", label), [(b, k) for b, k, _ in worst], None, 2 * color),
         ]
     chart = LineChart(
         "Relative error vs float64 reference (worst trial)",
@@ -242,9 +261,9 @@ def _kernels(evidence: Evidence) -> str:
     labels = [_short_label(c) for c in timed]
     stock = [_kernel_value(c, stock=True) for c in timed]
     candidate = [_kernel_value(c, stock=False) for c in timed]
-    return bar_chart(
-        "Kernels per layer", "kernels", labels, [("stock", stock), ("candidate", candidate)]
-    )
+    groups = [("stock", stock), ("candidate", candidate)]
+    # the same colours as the latency plot: candidate PALETTE[0], stock PALETTE[1]
+    return bar_chart("Kernels per layer", "kernels", labels, groups, colors=[1, 0])
 
 
 def _short_label(case: CaseEvidence) -> str:

@@ -171,7 +171,9 @@ def _list(values: list[int]) -> str:
 
 
 def _environment(evidence: Evidence, source: SourceInfo | None) -> list[str]:
-    rows = [f"| {label} | {_text(value)} |" for label, value in facts.environment_rows(evidence, source)]
+    rows = [
+        f"| {label} | {_text(value)} |" for label, value in facts.environment_rows(evidence, source)
+    ]
     return ["## Environment", "", "| | |", "|---|---|", *rows, ""]
 
 

@@ -15,7 +15,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 WIDTH, HEIGHT = 720, 340
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 64, 190, 34, 48
-# Colour-blind-safe (Okabe-Ito); a stock/candidate pair shares a colour, stock dashed.
+# Colour-blind-safe (Okabe-Ito). Stock lines are dashed, so pairs stay apart in grey print too.
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000")
 SVG_NS = "http://www.w3.org/2000/svg"
 
@@ -88,9 +88,15 @@ def line_chart(chart: LineChart) -> str:
 
 
 def bar_chart(
-    title: str, y_label: str, categories: Sequence[str], groups: Sequence[tuple[str, list[float]]]
+    title: str,
+    y_label: str,
+    categories: Sequence[str],
+    groups: Sequence[tuple[str, list[float]]],
+    colors: Sequence[int] | None = None,
 ) -> str:
-    """Grouped vertical bars: one group of bars per category, one bar per (name, values) pair."""
+    """Grouped vertical bars: one group of bars per category, one bar per (name, values) pair;
+    `colors` are PALETTE indices per pair (default: in order)."""
+    colors = colors or list(range(len(groups)))
     values = [v for _, vs in groups for v in vs if _finite(v)]
     if not categories or not values:
         return _empty(title, "no data to plot")
@@ -107,8 +113,9 @@ def bar_chart(
             parts.append(_category_label(x0 + slot * 0.4, category))
         for g, (name, vs) in enumerate(groups):
             if index < len(vs) and _finite(vs[index]):
-                parts.append(_bar(x0 + g * bar_w, bar_w, y_axis, vs[index], g, name, category))
-    parts.append(_legend([(name, g, False) for g, (name, _) in enumerate(groups)]))
+                bar = _bar(x0 + g * bar_w, bar_w, y_axis, vs[index], colors[g], name, category)
+                parts.append(bar)
+    parts.append(_legend([(name, colors[g], False) for g, (name, _) in enumerate(groups)]))
     return _svg(title, "".join(parts))
 
 
@@ -261,7 +268,7 @@ def _legend(entries: list[tuple[str, int, bool]]) -> str:
         y = MARGIN_TOP + 8 + row * 18
         color = "#c00" if color_index < 0 else PALETTE[color_index % len(PALETTE)]
         dash = ' stroke-dasharray="6 4"' if dashed else ""
-        label = name if len(name) <= 26 else name[:25] + "…"
+        label = name if len(name) <= 28 else name[:27] + "…"
         parts.append(
             f'<line x1="{x0}" y1="{y}" x2="{x0 + 22}" y2="{y}" stroke="{color}" '
             f'stroke-width="2"{dash}/><text x="{x0 + 28}" y="{y + 4}">{escape(label)}</text>'

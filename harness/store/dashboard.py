@@ -132,7 +132,9 @@ def submitters(session: Session) -> list[str]:
 
 
 def submitter_name(session: Session, submission: Submission) -> str:
-    return session.scalar(select(ApiToken.name).where(ApiToken.id == submission.submitter_id)) or "?"
+    return (
+        session.scalar(select(ApiToken.name).where(ApiToken.id == submission.submitter_id)) or "?"
+    )
 
 
 def reports_by_job(session: Session, job_ids: list[int]) -> dict[int, Report]:

@@ -261,3 +261,19 @@ def test_health_ready_metrics_openapi(client: TestClient) -> None:
     assert 'pathgate_http_requests_total{method="GET",route="/healthz",status="200"}' in metrics
     spec = client.get("/openapi.json").json()
     assert {"/v1/submissions", "/v1/submissions/{submission_id}/rerun"} <= set(spec["paths"])
+
+
+def test_combined_verdict_over_jobs_on_different_hardware() -> None:
+    from harness.evaluation.evidence import Evidence
+    from harness.submissions import combined_verdict
+    from tests.reports.evidence_fixtures import load as load_evidence
+
+    gpu = load_evidence("h200_rmsnorm_rerun")
+    cpu = load_evidence("cpu_rmsnorm")
+    assert isinstance(gpu, Evidence) and gpu.verdict == "PASS" and cpu.verdict == "INCONCLUSIVE"
+    # the CPU job cannot measure the H200 claims; the H200 job verified them
+    assert combined_verdict([cpu, gpu]) == "PASS"
+    assert combined_verdict([cpu]) == "INCONCLUSIVE"
+    failing = load_evidence("cpu_offgrid_fail")
+    assert combined_verdict([failing, gpu]) == "FAIL"
+    assert combined_verdict([]) == "INCONCLUSIVE"

@@ -2,15 +2,16 @@
 
 What it checks: every operation in the app's OpenAPI spec is called with generated requests
 (valid and invalid bodies, queries and path ids) through the ASGI app, authenticated as a
-maintainer, on a freshly migrated database: a SQLite file under tmp_path and a separate
-PostgreSQL database (`pathgate_schemathesis`, created if missing; never `public` of `test`).
-No response may be a 5xx, and a response whose status code the spec declares must match the
-declared schema. One submission is stored first, so generated ids also reach the found paths
-(reports, rerun); a second test gives generated submissions a valid manifest, so their other
-fields travel all the way into the database. The inputs fuzzing found 500s with are kept as
-explicit cases (a derandomized run need not draw them again).
+maintainer, on a freshly migrated database: a SQLite file under tmp_path, and a PostgreSQL
+database of this test process's own (`pathgate_schemathesis_<pid>`, dropped at the end; never
+`test`). No response may be a 5xx, and a response whose status code the spec declares must
+match the declared schema. One submission is stored first, so generated ids also reach the
+found paths (reports, rerun); a second test gives generated submissions a valid manifest, so
+their other fields travel all the way into the database. The inputs fuzzing found 500s with are
+kept as explicit cases (a derandomized run need not draw them again), and so is the commit
+ordering the load benchmark (benchmarks/api_load.py) found wrong.
 
-Bounded for CI (about 30 s on 2 cores): 50 derandomized examples per operation, no example
+Bounded for CI (about 40 s on 2 cores): 50 derandomized examples per operation, no example
 database. Run:
 
     .venv/bin/pytest tests/api/test_openapi_fuzz.py
@@ -18,6 +19,7 @@ database. Run:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import response_schema_conformance
 from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
 
 from harness.api.app import create_app
 from harness.config import get_settings
@@ -63,17 +66,30 @@ class Recorder:
         self.sent.append((job_id, queue))
 
 
-def _fresh_postgres_database() -> str:
-    """The fuzz database, created if missing, with an empty public schema of its own."""
-    admin = create_engine(f"{POSTGRES_SERVER}/test", isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        exists = connection.scalar(
-            text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": FUZZ_DATABASE}
-        )
-        if not exists:
-            connection.execute(text(f'CREATE DATABASE "{FUZZ_DATABASE}"'))
-    admin.dispose()
-    url = f"{POSTGRES_SERVER}/{FUZZ_DATABASE}"
+def _admin(sql: str, **params: str) -> Any:
+    """One statement on the server's maintenance connection (CREATE / DROP DATABASE)."""
+    engine = create_engine(f"{POSTGRES_SERVER}/test", isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            result = connection.execute(text(sql), params)
+            return result.scalar() if result.returns_rows else None
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def fuzz_postgres() -> Iterator[str]:
+    """This process's own database, so that two runs of this file at once (a developer and the
+    whole suite, or xdist) never reset each other's schema; dropped at the end."""
+    name = f"{FUZZ_DATABASE}_{os.getpid()}"
+    if not _admin("SELECT 1 FROM pg_database WHERE datname = :name", name=name):
+        _admin(f'CREATE DATABASE "{name}"')
+    yield f"{POSTGRES_SERVER}/{name}"
+    engine_for.cache_clear()
+    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _empty_schema(url: str) -> str:
     engine = create_engine(url, isolation_level="AUTOCOMMIT")
     with engine.connect() as connection:
         connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
@@ -87,7 +103,7 @@ def fuzz_database(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[str]:
     if request.param == "postgresql":
-        url = _fresh_postgres_database()
+        url = _empty_schema(request.getfixturevalue("fuzz_postgres"))
     else:
         url = f"sqlite:///{tmp_path / 'pathgate.db'}"
     monkeypatch.setenv("PATHGATE_DATABASE_URL", url)
@@ -195,3 +211,22 @@ def test_inputs_fuzzing_found_are_422(fuzz_app: FastAPI, auth_headers: dict[str,
             for method, path, body in FOUND
         ]
     assert [(m, p, r.status_code) for m, p, r in answers if r.status_code != 422] == []
+
+
+def test_a_failed_commit_is_never_answered_201(
+    fuzz_app: FastAPI, auth_headers: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request's session commits before the response is sent (found by benchmarks/
+    api_load.py: a POST's 201 went out before its commit, so its id could 404 on a read)."""
+
+    def failing_commit(session: Session) -> None:
+        raise RuntimeError("commit failed")
+
+    body = {"manifest": RMSNORM, "source": {"kind": "in_tree"}}
+    with TestClient(fuzz_app, raise_server_exceptions=False) as client:
+        monkeypatch.setattr(Session, "commit", failing_commit)
+        response = client.post("/v1/submissions", json=body, headers=auth_headers)
+        monkeypatch.undo()
+        total = client.get("/v1/submissions", headers=auth_headers).json()["total"]
+    assert response.status_code == 500
+    assert total == 1  # only the submission fuzz_app stored

@@ -1,0 +1,145 @@
+"""The Markdown report from real engine evidence: verdict first, every claim status worded right,
+warnings, coverage, environment, the reproduce command, and under GitHub's limit at scale."""
+
+from __future__ import annotations
+
+from harness.reports.facts import SourceInfo
+from harness.reports.markdown import GITHUB_LIMIT_CHARS, MAX_CASE_ROWS, render_markdown
+from tests.reports.evidence_fixtures import load, many_cases
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _claim_statuses(markdown: str) -> list[tuple[str, str, str]]:
+    """(metric, claimed, status) of each row of the claims table."""
+    section = markdown.split("## Claims", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    cells = [[c.strip() for c in row.strip("|").split(" | ")] for row in rows]
+    return [(c[0], c[3], c[6]) for c in cells]
+
+
+def test_every_claim_status_is_worded_as_the_engine_decided() -> None:
+    evidence = load("h200_claims")
+    rows = _claim_statuses(render_markdown(evidence))
+    assert [(m, s) for m, _, s in rows] == [
+        ("kernels_per_layer", "verified"),
+        ("latency_us", "**refuted**"),
+        ("speedup", "not measurable here"),
+        ("speedup", "inconclusive"),
+        ("speedup", "inconclusive"),
+        ("speedup", "inconclusive"),
+    ]
+    assert [c.status for c in evidence.claims] == [
+        "verified",
+        "refuted",
+        "not_measurable",
+        "inconclusive",
+        "inconclusive",
+        "inconclusive",
+    ]
+    assert rows[1][1] == "<= 1"  # a tag-less "<" is left readable
+
+
+def test_verdict_and_its_reasons_come_first() -> None:
+    evidence = load("h200_claims")
+    lines = render_markdown(evidence).splitlines()
+    assert lines[0] == "# pathgate: fused-add-rmsnorm-h200-claims: **FAIL**"
+    assert lines[2].startswith("- claim refuted: latency_us <= 1.0 (batch=1) on H200")
+
+
+def test_reproduce_command_closes_the_report() -> None:
+    for name in ("h200_rmsnorm", "cpu_rmsnorm", "cpu_offgrid_fail"):
+        evidence = load(name)
+        markdown = render_markdown(evidence)
+        tail = markdown.rsplit("## Reproduce", 1)[1]
+        assert f"```\n{evidence.run.command}\n```" in tail
+        assert "--seed" in evidence.run.command
+
+
+def test_cpu_run_warns_and_leaves_claims_not_measurable() -> None:
+    markdown = render_markdown(load("cpu_rmsnorm"))
+    assert "**INCONCLUSIVE**" in markdown.splitlines()[0]
+    assert "- CPU timings: host-clock times of eager calls, not GPU evidence." in markdown
+    assert {s for _, _, s in _claim_statuses(markdown)} == {"not measurable here"}
+
+
+def test_implausible_speedup_and_l2_sized_working_set_are_warned_about() -> None:
+    markdown = render_markdown(load("h200_rmsnorm"))
+    warnings = markdown.split("## Warnings", 1)[1].split("\n## ", 1)[0]
+    assert "implausible speedup: " in warnings and "above 10x" in warnings
+    assert "fits in L2" in warnings
+
+
+def test_a_candidate_faster_than_hbm_allows_is_warned_about() -> None:
+    evidence = load("h200_rmsnorm")
+    case = evidence.cases[-1]
+    assert case.performance is not None
+    # An impossible figure on purpose: the bytes moved faster than the measured copy bandwidth.
+    perf = case.performance.model_copy(update={"candidate_hbm_fraction": 1.7})
+    evidence.cases[-1] = case.model_copy(update={"performance": perf})
+    assert "beyond the HBM floor" in render_markdown(evidence)
+
+
+def test_correctness_summary_names_the_failing_case_and_worst_ratio() -> None:
+    evidence = load("cpu_offgrid_fail")
+    markdown = render_markdown(evidence)
+    failed = [c for c in evidence.cases if c.status != "passed"]
+    assert len(failed) == 1
+    section = markdown.split("## Correctness", 1)[1].split("\n## ", 1)[0]
+    assert (
+        f"{len(evidence.cases) - 1} of {len(evidence.cases)} in-scope cases passed, 1 failed"
+        in section
+    )
+    assert f"at `{failed[0].id}`" in section
+    assert failed[0].correctness is not None
+    assert f"{failed[0].correctness.worst_error_ratio:.3g}" in section
+
+
+def test_environment_coverage_and_kernels() -> None:
+    evidence = load("h200_claims")
+    markdown = render_markdown(evidence, SourceInfo("git", "https://example.com/k.git", SHA))
+    for row in (
+        "| GPU | NVIDIA H200 |",
+        "| driver | 580.159.04 |",
+        "| CUDA | 13.0 |",
+        "| Triton | 3.6.0 |",
+        "| CuTe DSL | - |",
+        "| vLLM | - |",
+        f"| candidate source | https://example.com/k.git at {SHA} |",
+    ):
+        assert row in markdown
+    assert "stock 13, candidate 1 kernels per layer." in markdown
+    assert "Run here: 12 cases (10 grid, 2 random)" in markdown
+
+
+def test_hundreds_of_cases_are_summarized_under_githubs_limit() -> None:
+    evidence = many_cases()
+    assert len(evidence.cases) == 385 and evidence.verdict == "FAIL"
+    markdown = render_markdown(evidence)
+    assert len(markdown) < GITHUB_LIMIT_CHARS
+    assert f"Summarized: {MAX_CASE_ROWS} of 385 cases shown" in markdown
+    table = markdown.split("## Cases", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| batch=")]
+    assert len(rows) == MAX_CASE_ROWS
+    assert all("| failed |" in row for row in rows[:25])  # the failing cases come first
+    assert "more verdict reasons (see the HTML report)" in markdown
+    assert evidence.run.command in markdown
+
+
+def test_submitted_text_cannot_open_html() -> None:
+    evidence = load("cpu_offgrid_fail")
+    case = evidence.cases[0]
+    evidence.cases[0] = case.model_copy(update={"reasons": ["<script>alert(1)</script> | x"]})
+    markdown = render_markdown(evidence)
+    assert "<script>" not in markdown
+    assert "&lt;script>alert(1)&lt;/script> \\| x" in markdown
+
+
+def test_huge_reasons_are_cut_but_the_reproduce_command_stays() -> None:
+    evidence = load("cpu_offgrid_fail")
+    case = evidence.cases[0]
+    evidence.cases[0] = case.model_copy(update={"reasons": ["x" * 200_000]})
+    markdown = render_markdown(evidence)
+    assert len(markdown) < GITHUB_LIMIT_CHARS
+    assert "truncated to stay under GitHub's limit" in markdown
+    assert markdown.rstrip().endswith(f"{evidence.run.command}\n```")

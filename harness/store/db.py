@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -14,6 +15,7 @@ from harness.config import get_settings
 
 @lru_cache
 def engine_for(url: str) -> Engine:
+    _cached_urls.add(url)
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -27,6 +29,18 @@ def _sqlite_pragmas(connection, _record) -> None:  # type: ignore[no-untyped-def
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
+
+
+def _forget_inherited_connections() -> None:
+    """In a forked child (a Celery pool process), drop the parent's pooled connections without
+    closing them: they are the parent's sockets, possibly mid-transaction in its heartbeat
+    thread, and sharing them corrupts both sides. The child opens its own."""
+    for url in list(_cached_urls):
+        engine_for(url).dispose(close=False)
+
+
+_cached_urls: set[str] = set()
+os.register_at_fork(after_in_child=_forget_inherited_connections)
 
 
 def get_engine() -> Engine:

@@ -4,17 +4,21 @@ Starts the API with uvicorn in a subprocess (`--workers` processes) on its own P
 database (`pathgate_bench`, schema reset and migrated first; never `public` of `test`) and Redis
 db 14 as the broker (flushed before and after: every POST enqueues its jobs there and no worker
 consumes them). Then `--clients` concurrent clients (asyncio + one httpx.AsyncClient each) run
-closed loops for `--seconds`, after an unrecorded warm-up: each request is POST /v1/submissions
+closed loops for `--seconds` (back to back, or paced to a total of `--rate` requests/s), after
+an unrecorded warm-up: each request is POST /v1/submissions
 (the manifest text of scopes/fused-add-rmsnorm-h200.yaml, source in_tree) with probability
 `--post-share`, else GET /v1/submissions/{id} of a submission created earlier. Records each
-request's latency; prints a table (operation, requests, req/s, p50 ms, p99 ms, errors) and the
-CPU split (this client, the API processes, the rest of the machine), writes JSON to --out, and
-stops the server (its whole process group) at the end.
+request's latency; prints a table (operation, requests, req/s, p50 ms, p99 ms, errors), the
+errors by kind, and the CPU over the recorded window (this client, the API processes,
+PostgreSQL, Redis, other processes; API CPU per request); writes JSON to --out (default
+pathgate-out/benchmarks/api_load.json) and stops the server (its whole process group) at the end.
 
 The load generator runs on the same machine as the server, PostgreSQL and Redis: on a small
-machine it takes CPU from them, and the CPU split says how much.
+machine it takes CPU from them, and the CPU split says how much (and how much went to other
+processes: on a shared machine, other people's work).
 
     .venv/bin/python benchmarks/api_load.py [--clients 50] [--seconds 30] [--workers 2]
+        [--rate 0] [--post-share 0.5] [--out pathgate-out/benchmarks/api_load.json]
 """
 
 from __future__ import annotations
@@ -174,26 +178,55 @@ def stop_group(server: subprocess.Popen[bytes]) -> None:
 # --- CPU accounting (Linux /proc) ------------------------------------------------------------
 
 
-def group_cpu_s(pgid: int) -> float:
-    """User + system CPU seconds of the live processes in a process group."""
-    total = 0
+def process_cpu_s(api_pgid: int) -> dict[str, float]:
+    """User + system CPU seconds of the live API processes (its process group), PostgreSQL's
+    and Redis's processes (by name)."""
+    ticks = {"api": 0, "postgres": 0, "redis": 0}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            head, tail = (entry / "stat").read_text().rsplit(")", 1)
+        except (OSError, ValueError):
             continue
-        if int(fields[2]) == pgid:  # fields[0] is the state: pgrp is stat's 5th field
-            total += int(fields[11]) + int(fields[12])
-    return total / CLOCK_TICKS
+        fields, name = tail.split(), head.split("(", 1)[1]
+        used = int(fields[11]) + int(fields[12])  # utime, stime; fields[2] is the pgrp
+        if int(fields[2]) == api_pgid:
+            ticks["api"] += used
+        elif name.startswith(("postgres", "redis-server")):
+            ticks["postgres" if name.startswith("postgres") else "redis"] += used
+    return {key: value / CLOCK_TICKS for key, value in ticks.items()}
 
 
 def machine_cpu_s() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    """(busy, total) CPU seconds of the whole machine since boot (guest time is already in user)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
     idle = values[3] + values[4]
     return (sum(values) - idle) / CLOCK_TICKS, sum(values) / CLOCK_TICKS
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    seconds: dict[str, float]  # client (this process), api, postgres, redis, busy, total
+
+    @classmethod
+    def take(cls, api_pgid: int) -> CpuSample:
+        busy, total = machine_cpu_s()
+        processes = process_cpu_s(api_pgid)
+        return cls({"client": time.process_time(), **processes, "busy": busy, "total": total})
+
+
+def cpu_split(start: CpuSample, end: CpuSample, requests: int) -> dict[str, float]:
+    """Shares of the machine's CPU capacity over the recorded window, and API CPU per request."""
+    used = {key: end.seconds[key] - start.seconds[key] for key in start.seconds}
+    ours = sum(used[key] for key in ("client", "api", "postgres", "redis"))
+    shares = {key: used[key] / used["total"] for key in ("busy", "client", "api", "postgres")}
+    return {
+        **shares,
+        "redis": used["redis"] / used["total"],
+        "other": max(0.0, used["busy"] - ours) / used["total"],
+        "api_cpu_ms_per_request": 1000 * used["api"] / max(1, requests),
+    }
 
 
 # --- the load --------------------------------------------------------------------------------
@@ -226,7 +259,7 @@ async def client_loop(
     interval = args.clients / args.rate if args.rate > 0 else 0.0
     next_at = time.monotonic() + random.uniform(0, interval)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=30) as client:
-        while time.monotonic() < stop_at:
+        while max(next_at, time.monotonic()) < stop_at:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             await one_request(client, recorder, random.random() < args.post_share)
             next_at = max(next_at + interval, time.monotonic()) if interval else 0.0
@@ -241,7 +274,10 @@ async def seed(base: str, token: str, recorder: Recorder) -> None:
         raise RuntimeError("could not create the submissions the GETs read")
 
 
-async def run_load(args: argparse.Namespace, base: str, token: str) -> Recorder:
+async def run_load(
+    args: argparse.Namespace, base: str, token: str, server_pgid: int
+) -> tuple[Recorder, CpuSample, CpuSample]:
+    """The recorded requests, and CPU samples at the start and end of the recorded window."""
     recorder = Recorder()
     await seed(base, token, recorder)
     stop_at = time.monotonic() + args.warmup + args.seconds
@@ -250,9 +286,9 @@ async def run_load(args: argparse.Namespace, base: str, token: str) -> Recorder:
         for _ in range(args.clients)
     ]
     await asyncio.sleep(args.warmup)
-    recorder.recording = True
+    recorder.recording, start = True, CpuSample.take(server_pgid)
     await asyncio.gather(*loops)
-    return recorder
+    return recorder, start, CpuSample.take(server_pgid)
 
 
 # --- results ---------------------------------------------------------------------------------
@@ -297,16 +333,6 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def cpu_split(client_s: float, server_s: float, busy_s: float, total_s: float) -> dict[str, float]:
-    """Shares of the machine's CPU capacity during the measured run (warm-up included)."""
-    return {
-        "machine_busy": busy_s / total_s,
-        "load_client": client_s / total_s,
-        "api_processes": server_s / total_s,
-        "rest_postgres_redis_other": max(0.0, busy_s - client_s - server_s) / total_s,
-    }
-
-
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -315,30 +341,29 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
-    parser.add_argument("--warmup", type=float, default=3.0, help="seconds, not recorded")
+    parser.add_argument("--warmup", type=float, default=5.0, help="seconds, not recorded")
     parser.add_argument("--post-share", type=float, default=0.5, help="share of POSTs")
     parser.add_argument(
         "--rate", type=float, default=0.0, help="total requests/s to pace at; 0: back to back"
     )
     parser.add_argument("--database-url", default=DATABASE_URL)
     parser.add_argument("--broker-url", default=BROKER_URL)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "api_load.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "pathgate-out" / "benchmarks" / "api_load.json"
+    )
     return parser.parse_args()
 
 
 def measure(args: argparse.Namespace, token: str) -> dict[str, Any]:
     port = free_port()
     with running_server(args, port) as server:
-        busy0, total0 = machine_cpu_s()
-        client0, server0 = time.process_time(), group_cpu_s(server.pid)
-        recorder = asyncio.run(run_load(args, f"http://127.0.0.1:{port}", token))
-        busy1, total1 = machine_cpu_s()
-        client_s = time.process_time() - client0
-        server_s = group_cpu_s(server.pid) - server0
+        load = run_load(args, f"http://127.0.0.1:{port}", token, server.pid)
+        recorder, start, end = asyncio.run(load)
+    rows = summarize(recorder, args.seconds)
     return {
-        "rows": summarize(recorder, args.seconds),
+        "rows": rows,
         "errors": recorder.error_kinds,
-        "cpu": cpu_split(client_s, server_s, busy1 - busy0, total1 - total0),
+        "cpu": cpu_split(start, end, rows[-1]["requests"]),
     }
 
 
@@ -360,11 +385,10 @@ def main() -> int:
     print_table(result["rows"])
     for kind, count in sorted(result["errors"].items()):
         print(f"  error: {kind} x{count}")
-    cpu = result["cpu"]
     print(
-        "CPU (share of the machine): busy {machine_busy:.0%}; load client {load_client:.0%}, "
-        "API processes {api_processes:.0%}, PostgreSQL/Redis/other "
-        "{rest_postgres_redis_other:.0%}".format(**cpu)
+        "CPU, share of the machine's: busy {busy:.0%} = load client {client:.0%} + API "
+        "{api:.0%} + PostgreSQL {postgres:.0%} + Redis {redis:.0%} + other processes "
+        "{other:.0%}; API CPU per request {api_cpu_ms_per_request:.1f} ms".format(**result["cpu"])
     )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     report = {"config": {**config, "cpu_count": os.cpu_count()}, **result}

@@ -191,13 +191,25 @@ class ManifestError(Exception):
 def load_manifest(text: str) -> ScopeManifest:
     """Parse and validate manifest YAML (JSON is YAML too); raise ManifestError on any problem."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        root, data = _parse(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else None
         raise ManifestError([ManifestProblem("", f"not valid YAML: {exc}", line)]) from None
+    except RecursionError:
+        raise ManifestError([ManifestProblem("", "nested too deeply to be a manifest")]) from None
     return validate_manifest(data, root)
+
+
+def _parse(text: str) -> tuple[yaml.Node | None, Any]:
+    """One pass: the node tree (for line numbers) and the data built from it, with libyaml's
+    parser where PyYAML has it (about ten times faster than the pure-Python one)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+    try:
+        root = loader.get_single_node()
+        return root, loader.construct_document(root) if root is not None else None
+    finally:
+        loader.dispose()
 
 
 def load_manifest_file(path: Path) -> ScopeManifest:

@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit --format=csv
 python3 -c "import torch, triton, pydantic; print('torch', torch.__version__, 'triton', triton.__version__, 'pydantic', pydantic.VERSION)"
 echo "== pytest -m gpu"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | grep -v USDT | tee "$OUT/pytest_gpu.log" | tail -15
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/evaluation tests/kernels 2>&1 | grep -v USDT | tee "$OUT/pytest_gpu.log" | tail -15
 echo "== pathgate validate (full)"
 python3 -m harness.cli validate scopes/fused-add-rmsnorm-h200.yaml --device cuda \
     --out "$OUT/rmsnorm" 2>&1 | grep -v USDT | tee "$OUT/validate.log" | tail -45

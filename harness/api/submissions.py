@@ -23,7 +23,7 @@ from harness.config import get_settings
 from harness.errors import NotFound
 from harness.reports.combined import combined_report, render_combined_html, render_combined_markdown
 from harness.store import repositories as repo
-from harness.store.models import Submission
+from harness.store.models import Submission, SubmissionState
 from workers.routing import queues_for_manifest
 
 # Error bodies are declared (Problem) so the spec matches what the handlers send; fuzzing the spec
@@ -36,16 +36,6 @@ SubmissionId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 # A scope name is a slug. A NUL byte in the filter reached PostgreSQL, which rejects NUL in text
 # parameters (a 500); anything outside the slug alphabet could never match, so it is a 422.
 ScopeName = Annotated[str | None, Query(max_length=64, pattern=r"^[a-z0-9-]*$")]
-SubmissionState = Literal[
-    "queued",
-    "running",
-    "passed",
-    "failed",
-    "inconclusive",
-    "error",
-    "timed_out",
-    "waiting_for_hardware",
-]
 
 
 @router.post("/submissions", status_code=201, response_model=SubmissionCreated)

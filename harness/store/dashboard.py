@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
+from harness.store import repositories as repo
 from harness.store.models import (
     ApiToken,
     AuditEvent,
@@ -19,14 +20,8 @@ from harness.store.models import (
     Submission,
 )
 
-
-@dataclass(frozen=True)
-class ListFilter:
-    state: str | None = None
-    scope: str | None = None
-    verdict: str | None = None
-    submitter: str | None = None  # a token name
-    owner_id: int | None = None  # contributors: only their own
+# The list's filter is the API's: one set of conditions for both.
+ListFilter = repo.SubmissionFilter
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,7 @@ def list_page(
 ) -> tuple[list[SubmissionRow], int]:
     """One page of submissions, newest first, and how many match in all. Only the columns the
     list shows are read (no jobs, no manifests): this is the page that must stay fast."""
-    conditions = _conditions(filters)
+    conditions = repo.submission_conditions(filters)
     total = session.scalar(_joined(select(func.count()), filters).where(*conditions)) or 0
     query = select(
         Submission.id,
@@ -96,21 +91,6 @@ def _joined(query: Select[Any], filters: ListFilter) -> Select[Any]:
     if filters.submitter:
         query = query.join(ApiToken, ApiToken.id == Submission.submitter_id)
     return query
-
-
-def _conditions(filters: ListFilter) -> list[Any]:
-    conditions: list[Any] = []
-    if filters.state:
-        conditions.append(Submission.state == filters.state)
-    if filters.scope:
-        conditions.append(Submission.scope == filters.scope)
-    if filters.verdict:
-        conditions.append(Submission.verdict == filters.verdict)
-    if filters.submitter:
-        conditions.append(ApiToken.name == filters.submitter)
-    if filters.owner_id is not None:
-        conditions.append(Submission.submitter_id == filters.owner_id)
-    return conditions
 
 
 def scopes(session: Session, owner_id: int | None) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 from sqlalchemy import JSON, DateTime, ForeignKey, Integer, MetaData, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -16,7 +16,7 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-SUBMISSION_STATES = (
+SubmissionState = Literal[
     "queued",
     "running",
     "passed",
@@ -25,7 +25,8 @@ SUBMISSION_STATES = (
     "error",
     "timed_out",
     "waiting_for_hardware",
-)
+]
+SUBMISSION_STATES: tuple[str, ...] = get_args(SubmissionState)
 FINISHED_STATES = ("passed", "failed", "inconclusive", "error", "timed_out")
 
 

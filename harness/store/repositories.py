@@ -78,21 +78,32 @@ class SubmissionFilter:
     state: str | None = None
     scope: str | None = None
     verdict: str | None = None
-    owner_id: int | None = None
+    owner_id: int | None = None  # contributors: only their own
+    submitter: str | None = None  # a token name (needs a join with api_tokens)
 
 
-def list_submissions(
-    session: Session, filters: SubmissionFilter, offset: int, limit: int
-) -> tuple[list[Submission], int]:
-    conditions = []
+def submission_conditions(filters: SubmissionFilter) -> list[Any]:
+    """WHERE clauses for a submissions filter, shared by the API list and the dashboard."""
+    conditions: list[Any] = []
     if filters.state:
         conditions.append(Submission.state == filters.state)
     if filters.scope:
         conditions.append(Submission.scope == filters.scope)
     if filters.verdict:
         conditions.append(Submission.verdict == filters.verdict)
+    if filters.submitter:
+        conditions.append(ApiToken.name == filters.submitter)
     if filters.owner_id is not None:
         conditions.append(Submission.submitter_id == filters.owner_id)
+    return conditions
+
+
+def list_submissions(
+    session: Session, filters: SubmissionFilter, offset: int, limit: int
+) -> tuple[list[Submission], int]:
+    conditions = submission_conditions(filters)
+    if filters.submitter:
+        conditions.append(ApiToken.id == Submission.submitter_id)
     total = session.scalar(select(func.count()).select_from(Submission).where(*conditions)) or 0
     rows = session.scalars(
         select(Submission)

@@ -13,18 +13,45 @@ from harness.config import get_settings
 from harness.store.db import engine_for
 from harness.store.migrate import upgrade
 
-POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
+POSTGRES_URL = f"{POSTGRES_SERVER}/test"
 REDIS_URL = "redis://127.0.0.1:6379/15"
 
 
 def reset_postgres() -> None:
     """An empty public schema: every test starts from migrations, on the real server."""
     engine_for.cache_clear()
-    engine = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    empty_schema(POSTGRES_URL)
+
+
+def empty_schema(url: str) -> str:
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
     with engine.connect() as connection:
         connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
         connection.execute(text("CREATE SCHEMA public"))
     engine.dispose()
+    return url
+
+
+def ensure_database(name: str) -> str:
+    """The URL of a database of its own on the local server, created if missing: for tests that
+    must not share the `test` database's schema with a concurrent run."""
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        found = connection.execute(
+            text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": name}
+        ).scalar()
+        if not found:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    return f"{POSTGRES_SERVER}/{name}"
+
+
+def drop_database(name: str) -> None:
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
 
 
 def use_database(monkeypatch: pytest.MonkeyPatch, url: str) -> None:

@@ -32,7 +32,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import response_schema_conformance
-from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from harness.api.app import create_app
@@ -40,11 +39,11 @@ from harness.config import get_settings
 from harness.store import repositories as repo
 from harness.store.db import engine_for, session_scope
 from harness.store.migrate import upgrade
+from tests.service_fixtures import drop_database, empty_schema, ensure_database
 
 SCOPES = Path(__file__).resolve().parents[2] / "scopes"
 RMSNORM = (SCOPES / "fused-add-rmsnorm-h200.yaml").read_text()
 SHA = "0123456789abcdef0123456789abcdef01234567"
-POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 FUZZ_DATABASE = "pathgate_schemathesis"
 MAX_EXAMPLES = 50
 FUZZ_SETTINGS = settings(
@@ -66,36 +65,14 @@ class Recorder:
         self.sent.append((job_id, queue))
 
 
-def _admin(sql: str, **params: str) -> Any:
-    """One statement on the server's maintenance connection (CREATE / DROP DATABASE)."""
-    engine = create_engine(f"{POSTGRES_SERVER}/test", isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as connection:
-            result = connection.execute(text(sql), params)
-            return result.scalar() if result.returns_rows else None
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture(scope="session")
 def fuzz_postgres() -> Iterator[str]:
     """This process's own database, so that two runs of this file at once (a developer and the
     whole suite, or xdist) never reset each other's schema; dropped at the end."""
     name = f"{FUZZ_DATABASE}_{os.getpid()}"
-    if not _admin("SELECT 1 FROM pg_database WHERE datname = :name", name=name):
-        _admin(f'CREATE DATABASE "{name}"')
-    yield f"{POSTGRES_SERVER}/{name}"
+    yield ensure_database(name)
     engine_for.cache_clear()
-    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _empty_schema(url: str) -> str:
-    engine = create_engine(url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as connection:
-        connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
-        connection.execute(text("CREATE SCHEMA public"))
-    engine.dispose()
-    return url
+    drop_database(name)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -103,7 +80,7 @@ def fuzz_database(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[str]:
     if request.param == "postgresql":
-        url = _empty_schema(request.getfixturevalue("fuzz_postgres"))
+        url = empty_schema(request.getfixturevalue("fuzz_postgres"))
     else:
         url = f"sqlite:///{tmp_path / 'pathgate.db'}"
     monkeypatch.setenv("PATHGATE_DATABASE_URL", url)

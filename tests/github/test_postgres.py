@@ -12,7 +12,7 @@ import httpx
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, func, inspect, select, text
+from sqlalchemy import create_engine, func, inspect, select
 
 import harness.github.models  # noqa: F401 - puts the GitHub tables on Base.metadata
 from harness.api.app import create_app
@@ -29,28 +29,16 @@ from tests.github.conftest import (
 )
 from tests.github.fake_github import FakeGitHub, ServerThread
 from tests.github.test_pull_requests import open_pull_request, run_github_tasks
+from tests.service_fixtures import POSTGRES_SERVER, empty_schema, ensure_database
 
-SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 DATABASE = "pathgate_github"
-URL = f"{SERVER}/{DATABASE}"
+URL = f"{POSTGRES_SERVER}/{DATABASE}"
 GITHUB_TABLES = {"github_pull_request_events", "github_status_postings"}
 COPIES = 10
 
 
 def _reset_database() -> None:
-    admin = create_engine(f"{SERVER}/test", isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        found = connection.execute(
-            text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": DATABASE}
-        ).scalar()
-        if not found:
-            connection.execute(text(f"CREATE DATABASE {DATABASE}"))
-    admin.dispose()
-    engine = create_engine(URL, isolation_level="AUTOCOMMIT")
-    with engine.connect() as connection:
-        connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
-        connection.execute(text("CREATE SCHEMA public"))
-    engine.dispose()
+    empty_schema(ensure_database(DATABASE))
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, text
 
 from harness.config import get_settings
@@ -45,6 +47,20 @@ def ensure_database(name: str) -> str:
             connection.execute(text(f'CREATE DATABASE "{name}"'))
     admin.dispose()
     return f"{POSTGRES_SERVER}/{name}"
+
+
+def schema_differences(url: str) -> list[object]:
+    """What Alembic's autogenerate would still change: empty when the models match the
+    migrations applied to this database."""
+    import harness.github.models  # noqa: F401  (its tables belong to the metadata)
+    from harness.store.models import Base
+
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            return list(compare_metadata(MigrationContext.configure(connection), Base.metadata))
+    finally:
+        engine.dispose()
 
 
 def drop_database(name: str) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from harness import submissions
 from harness.config import get_settings
 from harness.store import repositories as repo
-from harness.store.db import new_session, session_scope
+from harness.store.db import session_scope
 from harness.store.models import Job, utcnow
 from workers.celery_app import app, enqueue
 from workers.routing import CPU_QUEUE
@@ -169,6 +169,3 @@ def _mark_hardware(session: Session, job: Job, live_queues: set[str]) -> None:
 def heartbeat(worker: str, queues: list[str], hardware: str) -> None:
     with session_scope() as session:
         repo.beat(session, worker, queues, hardware)
-
-
-__all__ = ["heartbeat", "new_session", "run_job", "sweep", "sweep_jobs"]

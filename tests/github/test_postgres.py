@@ -10,17 +10,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from alembic.autogenerate import compare_metadata
-from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, func, inspect, select
 
-import harness.github.models  # noqa: F401 - puts the GitHub tables on Base.metadata
 from harness.api.app import create_app
 from harness.config import get_settings
 from harness.github.hooks import PULL_REQUEST_TASK
 from harness.store.db import engine_for, session_scope
 from harness.store.migrate import downgrade, upgrade
-from harness.store.models import Base, Submission, WebhookDelivery
+from harness.store.models import Submission, WebhookDelivery
 from tests.github.conftest import (
     JobRecorder,
     TaskRecorder,
@@ -29,7 +26,12 @@ from tests.github.conftest import (
 )
 from tests.github.fake_github import FakeGitHub, ServerThread
 from tests.github.test_pull_requests import open_pull_request, run_github_tasks
-from tests.service_fixtures import POSTGRES_SERVER, empty_schema, ensure_database
+from tests.service_fixtures import (
+    POSTGRES_SERVER,
+    empty_schema,
+    ensure_database,
+    schema_differences,
+)
 
 DATABASE = "pathgate_github"
 URL = f"{POSTGRES_SERVER}/{DATABASE}"
@@ -68,13 +70,7 @@ def test_migration_upgrades_downgrades_and_matches_the_models(postgres: str) -> 
     assert not GITHUB_TABLES & _tables(postgres)
     assert "webhook_deliveries" in _tables(postgres)
     upgrade(postgres)
-    engine = create_engine(postgres)
-    try:
-        with engine.connect() as connection:
-            differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
-    finally:
-        engine.dispose()
-    assert differences == []
+    assert schema_differences(postgres) == []
     downgrade(postgres)
     assert _tables(postgres) <= {"alembic_version"}
 

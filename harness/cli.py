@@ -19,9 +19,14 @@ from harness.evaluation.environment import DeviceUnavailable
 from harness.evaluation.evidence import Evidence
 from scopes.manifest import ManifestError, ScopeManifest, load_manifest_file
 
-EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
+EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3, "NEEDS_REVIEW": 4}
 EXIT_USAGE = 2
-VERDICT_STYLE = {"PASS": "bold green", "FAIL": "bold red", "INCONCLUSIVE": "bold yellow"}
+VERDICT_STYLE = {
+    "PASS": "bold green",
+    "FAIL": "bold red",
+    "NEEDS_REVIEW": "bold magenta",
+    "INCONCLUSIVE": "bold yellow",
+}
 
 app = typer.Typer(
     help="pathgate: validation gate for specialized inference paths.",
@@ -47,7 +52,7 @@ def validate(
     seed: Annotated[int | None, typer.Option(help="reuse a run's seed to reproduce it")] = None,
 ) -> None:
     """Run the scope's plan: correctness, timing and claims, stock vs candidate; exit 0 on PASS,
-    1 on FAIL, 3 on INCONCLUSIVE, 2 on a bad manifest or usage."""
+    1 on FAIL, 3 on INCONCLUSIVE, 4 on NEEDS_REVIEW, 2 on a bad manifest or usage."""
     from harness.evaluation.engine import EngineOptions, evaluate, reproduce_command
     from harness.reports.markdown import render_markdown
 

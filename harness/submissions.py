@@ -17,7 +17,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from harness.errors import InvalidInput, NotFound
-from harness.evaluation.evidence import Evidence
+from harness.evaluation.evidence import STATE_OF_VERDICT, Evidence, Verdict
 from harness.github import hooks as github_hooks
 from harness.reports.markdown import render_markdown
 from harness.store import repositories as repo
@@ -189,14 +189,16 @@ def _finish_submission(session: Session, submission: Submission, jobs: list[Job]
     ]
     verdict = combined_verdict(evidences)
     submission.verdict = verdict
-    submission.state = {"PASS": "passed", "FAIL": "failed", "INCONCLUSIVE": "inconclusive"}[verdict]
+    submission.state = STATE_OF_VERDICT[verdict]
 
 
-def combined_verdict(evidences: list[Evidence]) -> str:
+def combined_verdict(evidences: list[Evidence]) -> Verdict:
     """One verdict over jobs on different hardware: a claim counts as verified when any job
     verified it (each claim names the hardware it needs), refuted when any job refuted it."""
     if not evidences or any(e.verdict == "FAIL" for e in evidences):
         return "FAIL" if evidences else "INCONCLUSIVE"
+    if any(e.verdict == "NEEDS_REVIEW" for e in evidences):
+        return "NEEDS_REVIEW"
     if not any(e.cases for e in evidences):
         return "INCONCLUSIVE"
     # Claims are matched by their description, so jobs that judged different claim lists (a
@@ -254,9 +256,7 @@ def record_evidence(session: Session, job: Job, evidence: Evidence, log_tail: st
         markdown=render_markdown(evidence),
     )
     repo.add_report(session, report, results)
-    job.state = {"PASS": "passed", "FAIL": "failed", "INCONCLUSIVE": "inconclusive"}[
-        evidence.verdict
-    ]
+    job.state = STATE_OF_VERDICT[evidence.verdict]
     job.verdict = evidence.verdict
     job.reason = "; ".join(evidence.verdict_reasons[:3])
     _close(job, log_tail)

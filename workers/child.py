@@ -72,8 +72,11 @@ def die_with_parent(parent_pid: int) -> None:
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if parent_pid and os.getppid() != parent_pid:  # it died before prctl took effect
-        os._exit(3)
+    # As the first process of a new PID namespace our parent is unshare (getppid() says 0),
+    # which dies with the worker; otherwise the worker itself must still be our parent.
+    in_own_namespace = os.getpid() == 1
+    if parent_pid and not in_own_namespace and os.getppid() != parent_pid:
+        os._exit(3)  # the worker died before prctl took effect
 
 
 def limit_resources() -> None:

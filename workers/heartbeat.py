@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 class Identity:
     queues: list[str]
     hardware: str  # e.g. "H200x1" or "cpu"
+    main_pid: int  # the worker's main process (pool processes fork from it)
 
 
 identity: Identity | None = None  # set by `pathgate worker` before the worker starts

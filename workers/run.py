@@ -27,7 +27,7 @@ def run_worker(queues: list[str] | None = None) -> None:
     from workers.celery_app import app
 
     found, hardware = detected_queues()
-    heartbeat.identity = heartbeat.Identity(queues or found, hardware)
+    heartbeat.identity = heartbeat.Identity(queues or found, hardware, os.getpid())
     name = f"pathgate-{os.getpid()}@{socket.gethostname()}"
     app.worker_main(
         [

@@ -2,7 +2,9 @@
 
 The child (`python -m workers.child`) gets its own process group, a scratch folder as HOME,
 TMPDIR and cwd, an allow-listed environment (no PATHGATE_* settings, no tokens, no database or
-broker URL) and a wall-clock limit, after which its whole process group is killed. Its
+broker URL), where the OS allows it new network and PID namespaces (no connection out, no view
+of other processes or their environments), and a wall-clock limit, after which its whole process
+group is killed. Its
 stdout and stderr only go to a log file; the result travels over a private pipe and is accepted
 only with a valid HMAC under a fresh per-run key, so a forged verdict printed or written by a
 candidate is never taken for the evidence.
@@ -90,20 +92,36 @@ def run_in_child(request: RunRequest) -> RunOutcome:
         return _run(request, Path(scratch).resolve())
 
 
+@dataclass(frozen=True)
+class Isolation:
+    """How the child is started: a command prefix and what it keeps from the child."""
+
+    prefix: tuple[str, ...]
+    network: bool  # a new, empty network namespace: every connect fails
+    processes: bool  # a new PID namespace with its own /proc: no other process is visible
+
+
+# The PID namespace hides the worker's /proc/<pid>/environ (readable by any process of the same
+# user), where its secrets live. --kill-child and the parent-death signal tie the namespace's
+# life to the worker: if the worker dies, unshare dies, its child and every process under it too.
+_NEW_PID_NAMESPACE = ("--pid", "--fork", "--mount-proc", "--kill-child")
+_DIE_WITH_WORKER = ("setpriv", "--pdeathsig", "KILL", "--")
+
+
 @functools.cache
-def network_isolation() -> tuple[str, ...]:
-    """A command prefix that starts the child in a new, empty network namespace (no interface
-    but a down loopback: every connect fails), or () where the OS does not allow it."""
+def isolation() -> Isolation:
+    """The strongest isolation this OS allows the worker's user, probed once."""
     if shutil.which("unshare") is None:
-        return ()
-    for prefix in (
-        ("unshare", "--net", "--"),
-        ("unshare", "--user", "--map-root-user", "--net", "--"),
-    ):
-        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
-        if probe.returncode == 0:
-            return prefix
-    return ()
+        return Isolation((), network=False, processes=False)
+    guard = _DIE_WITH_WORKER if shutil.which("setpriv") else ()
+    for user in ((), ("--user", "--map-root-user")):
+        for processes in (True, False):
+            extra = _NEW_PID_NAMESPACE if processes else ()
+            prefix = (*guard, "unshare", *user, "--net", *extra, "--")
+            probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+            if probe.returncode == 0:
+                return Isolation(prefix, network=True, processes=processes)
+    return Isolation((), network=False, processes=False)
 
 
 def child_environment(workdir: Path) -> dict[str, str]:
@@ -150,7 +168,7 @@ def _spawn(workdir: Path, log: IO[bytes], write_fd: int) -> subprocess.Popen[byt
     try:
         # -P: the cwd (the child's scratch, writable by the candidate) is not put on sys.path.
         return subprocess.Popen(
-            [*network_isolation(), sys.executable, "-P", "-m", "workers.child"],
+            [*isolation().prefix, sys.executable, "-P", "-m", "workers.child"],
             stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,

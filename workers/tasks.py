@@ -6,7 +6,10 @@ worker down is delivered again by the sweeper, and after `job_max_attempts` it e
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
+import signal
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +23,8 @@ from harness.config import get_settings
 from harness.store import repositories as repo
 from harness.store.db import session_scope
 from harness.store.models import Job, utcnow
+from workers import gpu_health
+from workers import heartbeat as worker_identity
 from workers.celery_app import app, enqueue
 from workers.routing import CPU_QUEUE
 from workers.runner import (
@@ -33,6 +38,7 @@ from workers.runner import (
 from workers.workspace import SourceError, prepare_source
 
 RUNNABLE_STATES = ("queued", "waiting_for_hardware")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,32 @@ def run_job(self: Task, job_id: int) -> None:
     finally:
         shutil.rmtree(started.workdir / "src", ignore_errors=True)
     finish_job(job_id, outcome)
+    if started.request.device == "cuda" and not isinstance(outcome, Finished):
+        check_gpu_after_kill(job_id, worker)
+
+
+def check_gpu_after_kill(job_id: int, worker: str) -> None:
+    """A GPU job's child was killed or crashed: before this worker takes another job, the GPU
+    must pass a health check; if it does not, the worker stops (its queue shows as unserved)."""
+    health = gpu_health.check_gpu()
+    with session_scope() as session:
+        repo.record_audit(
+            session,
+            worker,
+            "worker.gpu_check" if health.healthy else "worker.gpu_unhealthy",
+            f"job:{job_id}",
+            {"healthy": health.healthy, "detail": health.detail},
+        )
+    if not health.healthy:
+        log.error("GPU unhealthy after job %s: %s; this worker stops", job_id, health.detail)
+        stop_worker()
+
+
+def stop_worker() -> None:
+    """A warm shutdown of the whole worker: it finishes this task and takes no other."""
+    identity = worker_identity.identity
+    main_pid = identity.main_pid if identity else os.getpid()
+    os.kill(main_pid, signal.SIGTERM)
 
 
 def start_job(job_id: int, worker: str) -> StartedJob | None:

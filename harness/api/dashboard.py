@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from harness.api import dashboard_session as web
 from harness.api.deps import SessionDep
 from harness.config import get_settings
-from harness.evaluation.evidence import Evidence
+from harness.evaluation.evidence import VERDICTS, Evidence
 from harness.reports.compare import compare_runs
 from harness.reports.facts import SourceInfo
 from harness.reports.html import (
@@ -44,7 +44,6 @@ router = APIRouter(prefix="/dashboard", include_in_schema=False)
 TEMPLATES = template_environment(FilePath(__file__).parent / "templates")
 REPORT_CACHE = ReportCache(max_entries=128)
 PER_PAGE = 50
-VERDICTS = ("PASS", "FAIL", "INCONCLUSIVE")
 DECISIONS = {"approve": "approved", "request_changes": "changes requested"}
 MAX_COMMENT_CHARS = 4000
 # Ids are 32-bit columns: a larger one would overflow in the driver (a 500); it is a 422 instead.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse
@@ -21,6 +21,7 @@ from harness.api.schemas import (
 )
 from harness.config import get_settings
 from harness.errors import NotFound
+from harness.evaluation.evidence import Verdict
 from harness.reports.combined import combined_report, render_combined_html, render_combined_markdown
 from harness.store import repositories as repo
 from harness.store.models import Submission, SubmissionState
@@ -54,7 +55,7 @@ def list_submissions(
     token: CurrentToken,
     state: Annotated[SubmissionState | None, Query()] = None,
     scope: ScopeName = None,
-    verdict: Annotated[Literal["PASS", "FAIL", "INCONCLUSIVE"] | None, Query()] = None,
+    verdict: Annotated[Verdict | None, Query()] = None,
     page: Annotated[int, Query(ge=1, le=100_000)] = 1,
     per_page: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> SubmissionPage:

@@ -1,10 +1,11 @@
 """Correctness of one case: the candidate against an upcast reference, judged by the stock error.
 
-Per trial: fresh seeded weights and inputs; a float64 reference (the baseline run on upcast
-copies); the stock path's own error against it; two candidate runs on clones of the same inputs,
-the first into NaN-poisoned outputs and the second into outputs filled with the dtype's largest
-value. An element still holding its poison in both runs was never written; the two runs must agree
-bit for bit unless the manifest says the path is non-deterministic.
+Per trial: fresh seeded weights and inputs; a first candidate run into NaN-poisoned outputs
+(before the stock path has run on these inputs, so no result of it can linger in freed memory); a
+float64 reference (the baseline run on upcast copies); the stock path's own error against it; a
+second candidate run into outputs filled with the dtype's largest value. Both candidate runs get
+clones of the same inputs. An element still holding its poison in both runs was never written;
+the two runs must agree bit for bit unless the manifest says the path is non-deterministic.
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def run_trial(
     problem = path.problem
     weights = problem.make_weights(case, derive_seed(seed, "weights"), device)
     inputs = problem.make_inputs(case, derive_seed(seed, "inputs"), device)
+    result = TrialResult(seed)
+    # The candidate runs before the stock path sees these inputs: memory the stock path freed
+    # (its result among it) must not be there for an uninitialised output to pick up.
+    first = _candidate_run(
+        path.candidate, weights, inputs, problem.make_outputs(case, device), float("nan"), result
+    )
     reference = _run(
         path.baseline,
         _upcast(weights),
@@ -99,10 +106,6 @@ def run_trial(
         _clone(weights),
         _clone(inputs),
         poisoned(problem.make_outputs(case, device), float("nan")),
-    )
-    result = TrialResult(seed)
-    first = _candidate_run(
-        path.candidate, weights, inputs, problem.make_outputs(case, device), float("nan"), result
     )
     second = _candidate_run(
         path.candidate, weights, inputs, problem.make_outputs(case, device), None, result

@@ -42,6 +42,7 @@ from harness.evaluation.loading import (
 from harness.evaluation.outcomes import (
     SUBMITTED_CODE_ERRORS,
     Crashed,
+    Mismatch,
     Outcome,
     Passed,
     Unsupported,
@@ -54,11 +55,15 @@ from harness.evaluation.stats import median_ci95, speedup_ci95
 from harness.evaluation.timing import (
     StopRule,
     build_layers,
+    cross_check_flags,
     eager_us,
     l2_cache_bytes,
+    refresh_inputs,
+    replay_mismatches,
     sample_interleaved,
     speedup_interval,
     step_runners,
+    wall_us_per_layer,
 )
 from harness.evaluation.verdict import check_claim, decide
 from scopes.manifest import ScopeManifest
@@ -241,22 +246,36 @@ def run_case(
     if not isinstance(checked.outcome, Passed):
         return _case_evidence(case, checked.outcome, correctness)
     try:
-        performance = measure_case(path, case, secret_seed, options, device)
+        performance, stale = measure_case(path, case, secret_seed, options, device, manifest)
     except SUBMITTED_CODE_ERRORS as exc:
         return _case_evidence(case, Crashed(f"while timing: {exc!r}"), correctness)
+    if stale:
+        return _case_evidence(case, Mismatch(tuple(stale)), correctness, performance)
     return _case_evidence(case, Passed(), correctness, performance)
 
 
 def measure_case(
-    path: LoadedPath, case: Case, secret_seed: int, options: EngineOptions, device: torch.device
-) -> PerformanceEvidence:
+    path: LoadedPath,
+    case: Case,
+    secret_seed: int,
+    options: EngineOptions,
+    device: torch.device,
+    manifest: ScopeManifest,
+) -> tuple[PerformanceEvidence, list[str]]:
+    """The case's timing evidence, and why the candidate's outputs after the timed runs are
+    wrong (empty when they are right)."""
     max_layers = options.max_layers or (64 if device.type == "cuda" else 2)
     layer_set = build_layers(path, case, secret_seed, device, max_layers)
     stop = options.stop or default_stop_rule(device, options.quick)
     stock_steps = step_runners(path.baseline, layer_set, device, stop.captures)
     candidate_steps = step_runners(path.candidate, layer_set, device, stop.captures)
     seed = derive_seed(secret_seed, case.id, "bootstrap")
+    refresh_inputs(path, case, layer_set, derive_seed(seed, "before timing"), device)
     timing = sample_interleaved(stock_steps, candidate_steps, layer_set, device, stop, seed)
+    refresh_inputs(path, case, layer_set, derive_seed(seed, "after timing"), device)
+    stale = replay_mismatches(
+        stock_steps, candidate_steps, layer_set, device, manifest.tolerance.min_cosine
+    )
     stock_profile = profile_step(stock_steps[0], timing.layers, device)
     candidate_profile = profile_step(candidate_steps[0], timing.layers, device)
     speedup, speedup_ci, spread = speedup_interval(timing, seed)
@@ -265,7 +284,15 @@ def measure_case(
     cand_median, *cand_ci = median_ci95(timing.candidate_us, seed)
     bytes_moved = _bytes_moved(path, case)
     bandwidth = hbm_bytes_per_s(device.index or 0) if device.type == "cuda" else None
-    return PerformanceEvidence(
+    stock_wall = candidate_wall = None
+    flags: list[str] = []
+    if device.type == "cuda":
+        stock_wall = wall_us_per_layer(stock_steps[0], timing.layers, device)
+        candidate_wall = wall_us_per_layer(candidate_steps[0], timing.layers, device)
+        flags = cross_check_flags(
+            cand_median, candidate_wall, candidate_profile.span_us_per_layer, timing.layers
+        )
+    performance = PerformanceEvidence(
         method=timing.method,
         is_gpu_evidence=device.type == "cuda",
         layers=timing.layers,
@@ -297,7 +324,11 @@ def measure_case(
         hbm_bytes_per_s=bandwidth,
         candidate_hbm_fraction=_fraction(bytes_moved, cand_median, bandwidth),
         stock_hbm_fraction=_fraction(bytes_moved, stock_median, bandwidth),
+        stock_wall_us_per_layer=stock_wall,
+        candidate_wall_us_per_layer=candidate_wall,
+        integrity_flags=flags,
     )
+    return performance, stale
 
 
 def reproduce_command(scope_path: str, device: str, quick: bool, seed: int) -> str:

@@ -11,7 +11,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 SCHEMA_VERSION = "pathgate.evidence/1"
-Verdict = Literal["PASS", "FAIL", "INCONCLUSIVE"]
+Verdict = Literal["PASS", "FAIL", "NEEDS_REVIEW", "INCONCLUSIVE"]
+VERDICTS: tuple[Verdict, ...] = ("PASS", "FAIL", "NEEDS_REVIEW", "INCONCLUSIVE")
+# The submission (and job) state a finished evaluation's verdict puts it in.
+STATE_OF_VERDICT = {
+    "PASS": "passed",
+    "FAIL": "failed",
+    "NEEDS_REVIEW": "needs_review",
+    "INCONCLUSIVE": "inconclusive",
+}
 CaseStatus = Literal["passed", "failed", "unsupported", "crashed", "timed_out", "not_run"]
 ClaimStatus = Literal["verified", "refuted", "inconclusive", "not_measurable"]
 
@@ -74,6 +82,11 @@ class PerformanceEvidence(Model):
     hbm_bytes_per_s: float | None
     candidate_hbm_fraction: float | None
     stock_hbm_fraction: float | None
+    # Independent clock: replays between two device-wide synchronizations, host wall clock.
+    stock_wall_us_per_layer: float | None = None
+    candidate_wall_us_per_layer: float | None = None
+    # Cross-checks that disagree with the event timing: each sends the verdict to review.
+    integrity_flags: list[str] = []
 
 
 class CaseEvidence(Model):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.evaluation.cases import Case
+from harness.evaluation.correctness import REFERENCE_DTYPE, cosine_similarity
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.plan import derive_seed
 from harness.evaluation.stats import median, speedup_ci95
@@ -238,3 +239,106 @@ def eager_us(fn: PathFn, layer_set: LayerSet, device: torch.device) -> float:
             torch.cuda.synchronize()
         samples.append(1e6 * (time.perf_counter() - started) / len(layer_set.args))
     return median(samples)
+
+
+def refresh_inputs(
+    path: LoadedPath, case: Case, layer_set: LayerSet, seed: int, device: torch.device
+) -> None:
+    """New values in every layer's inputs, written in place so the captured graphs read them.
+
+    Done before and after the timed replays: a path that cached its outputs by input identity or
+    content, or whose capture holds no real work, returns stale outputs afterwards.
+    """
+    for layer, (_, inputs, _) in enumerate(layer_set.args):
+        fresh = path.problem.make_inputs(case, derive_seed(seed, "refresh", layer), device)
+        for name, tensor in inputs.items():
+            tensor.copy_(fresh[name])
+
+
+def replay_mismatches(
+    stock: list[Callable[[], None]],
+    candidate: list[Callable[[], None]],
+    layer_set: LayerSet,
+    device: torch.device,
+    min_cosine: float,
+) -> list[str]:
+    """Each candidate capture replayed into NaN-poisoned outputs against one stock replay on
+    the same inputs: every output written, finite, and as close to the stock's as correctness
+    demands (cosine). The first disagreement per capture is reported."""
+    expected = _replayed_outputs(stock[0], layer_set, device)
+    reasons = []
+    for index, step in enumerate(candidate):
+        got = _replayed_outputs(step, layer_set, device)
+        problem = _first_disagreement(got, expected, min_cosine)
+        if problem:
+            reasons.append(
+                f"after the timed runs, on fresh inputs, capture {index} of the candidate "
+                f"{problem}: outputs cached, or work left outside the timed step"
+            )
+    return reasons
+
+
+def _replayed_outputs(
+    step: Callable[[], None], layer_set: LayerSet, device: torch.device
+) -> list[Tensors]:
+    for _, _, outputs in layer_set.args:
+        for tensor in outputs.values():
+            tensor.fill_(float("nan"))
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # device-wide: work on any stream has finished
+    return [{n: t.clone() for n, t in outputs.items()} for _, _, outputs in layer_set.args]
+
+
+def _first_disagreement(
+    got: list[Tensors], expected: list[Tensors], min_cosine: float
+) -> str | None:
+    for layer, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+        for name, value in mine.items():
+            if not bool(value.isfinite().all()):
+                return f"left layer {layer}'s '{name}' unwritten or non-finite"
+            cosine = cosine_similarity(value, theirs[name].to(REFERENCE_DTYPE))
+            if not cosine >= min_cosine:
+                return (
+                    f"gave layer {layer}'s '{name}' a cosine of {cosine:.4f} to the stock "
+                    f"result (at least {min_cosine} needed)"
+                )
+    return None
+
+
+def wall_us_per_layer(
+    step: Callable[[], None], layers: int, device: torch.device, repeats: int = 20
+) -> float:
+    """Replays between two device-wide synchronizations, by the host clock: independent of the
+    CUDA events, and it sees work on every stream."""
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    torch.cuda.synchronize(device)
+    return 1e6 * (time.perf_counter() - started) / (repeats * layers)
+
+
+# Cross-checks of the event timing. A kernel span this much longer than the events measured, or a
+# wall-clock time this much longer (beyond the launch allowance), means work the events did not
+# see: a side stream, a patched timer. Graph replays show neither (measured on the H200: span and
+# events agree within 10%), so a flag sends the verdict to a reviewer rather than failing it.
+SPAN_RATIO_LIMIT = 1.5
+WALL_RATIO_LIMIT = 2.0
+LAUNCH_ALLOWANCE_US = 50.0  # per replay: the host's graph launch, which events do not include
+
+
+def cross_check_flags(event_us: float, wall_us: float, span_us: float, layers: int) -> list[str]:
+    """Per-layer times of one path: event median, wall clock, profiled kernel span."""
+    flags = []
+    if span_us > SPAN_RATIO_LIMIT * event_us + 1.0:
+        flags.append(
+            f"profiled kernels spanned {span_us:.3g} us per layer but the events measured "
+            f"{event_us:.3g} us: work outside the timed stream?"
+        )
+    if wall_us > WALL_RATIO_LIMIT * event_us + LAUNCH_ALLOWANCE_US / layers:
+        flags.append(
+            f"the wall clock (device-wide synchronization) measured {wall_us:.3g} us per layer "
+            f"but the events {event_us:.3g} us: work outside the timed stream, or a patched timer?"
+        )
+    return flags

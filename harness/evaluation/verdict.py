@@ -4,6 +4,10 @@ A claim is checked on every measured case its `where` selects, through the 95% C
 verified when the whole interval meets the bound (less the claim's tolerance), refuted when the
 whole interval misses it, inconclusive when it straddles. A claim for other hardware, an
 engine-level metric, or CPU timings is "not measurable here".
+
+The verdict, strongest first: FAIL (a failed case, guard probe or refuted claim, or tampering),
+NEEDS_REVIEW (a measurement too good to pass unread), INCONCLUSIVE (a claim not verified here),
+PASS.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from harness.evaluation.evidence import (
 from scopes.manifest import Claim
 
 FAILING_CASE_STATUSES = {"failed", "crashed", "unsupported", "timed_out"}
+# A measured speedup above this is plausible, but too valuable to a cheat to pass unread.
+REVIEW_SPEEDUP_ABOVE = 10.0
 
 
 def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> ClaimEvidence:
@@ -124,6 +130,29 @@ def _margin(claim: Claim, ci: tuple[float, float]) -> float:
     return (claim.at_most or 0.0) - ci[1]
 
 
+def review_reasons(cases: list[CaseEvidence]) -> list[str]:
+    """Measurements no verdict may rest on without a reviewer: a speedup above 10x, a candidate
+    faster than the HBM floor allows, a timing cross-check that disagrees. GPU evidence only."""
+    reasons = []
+    for case in cases:
+        perf = case.performance
+        if perf is None or not perf.is_gpu_evidence:
+            continue
+        if perf.speedup > REVIEW_SPEEDUP_ABOVE:
+            reasons.append(
+                f"case {case.id}: speedup {perf.speedup:.2f}x is above "
+                f"{REVIEW_SPEEDUP_ABOVE:g}x; a reviewer must read the kernel before it passes"
+            )
+        fraction = perf.candidate_hbm_fraction
+        if fraction is not None and fraction > 1.0:
+            reasons.append(
+                f"case {case.id}: the candidate ran at {fraction:.0%} of the HBM floor, faster "
+                f"than reading the bytes the problem needs allows"
+            )
+        reasons += [f"case {case.id}: {flag}" for flag in perf.integrity_flags]
+    return reasons
+
+
 def decide(
     cases: list[CaseEvidence],
     probes: list[ProbeEvidence],
@@ -143,6 +172,9 @@ def decide(
     ]
     if failures:
         return "FAIL", failures
+    review = review_reasons(cases)
+    if review:
+        return "NEEDS_REVIEW", review
     if not cases:
         return "INCONCLUSIVE", not_run or ["no case of the scope could run here"]
     open_claims = [

@@ -3,8 +3,9 @@
 Every posting is recorded first (github_status_postings) and posted after commit, so a failed
 post leaves a row that `pathgate github sync` posts again.
 
-The mapping (docs/github.md): PASS -> success; FAIL -> failure; INCONCLUSIVE -> failure (a claim
-nobody verified must not pass the gate; a maintainer reads the report and decides); error and
+The mapping (docs/github.md): PASS -> success; FAIL -> failure; NEEDS_REVIEW and INCONCLUSIVE ->
+failure (a result too good to pass unread, or a claim nobody verified, must not pass the gate; a
+maintainer reads the report and decides; the check run says `action_required` for review); error and
 timed_out -> error (pathgate's own trouble: a rerun may fix it). Check runs (GitHub App auth
 only) carry the submission's Markdown report; their conclusion follows the same mapping, with
 `timed_out` for timed_out, since check runs have no `error`.
@@ -37,6 +38,7 @@ SUMMARY_MAX = 65535  # GitHub's limit for a check run's output.summary
 STATUS_FOR_STATE = {
     "passed": "success",
     "failed": "failure",
+    "needs_review": "failure",
     "inconclusive": "failure",
     "error": "error",
     "timed_out": "error",
@@ -44,6 +46,7 @@ STATUS_FOR_STATE = {
 CONCLUSION_FOR_STATE: dict[str, Conclusion] = {
     "passed": "success",
     "failed": "failure",
+    "needs_review": "action_required",
     "inconclusive": "failure",
     "error": "failure",
     "timed_out": "timed_out",
@@ -58,6 +61,7 @@ CHECK_CONCLUSIONS: dict[str, Conclusion] = {
     "success": "success",
     "failure": "failure",
     "timed_out": "timed_out",
+    "action_required": "action_required",
 }
 
 

@@ -21,13 +21,14 @@ SubmissionState = Literal[
     "running",
     "passed",
     "failed",
+    "needs_review",
     "inconclusive",
     "error",
     "timed_out",
     "waiting_for_hardware",
 ]
 SUBMISSION_STATES: tuple[str, ...] = get_args(SubmissionState)
-FINISHED_STATES = ("passed", "failed", "inconclusive", "error", "timed_out")
+FINISHED_STATES = ("passed", "failed", "needs_review", "inconclusive", "error", "timed_out")
 
 
 def utcnow() -> datetime:

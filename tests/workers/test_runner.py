@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +31,7 @@ from workers.runner import (
     RunOutcome,
     RunRequest,
     authenticated_message,
-    network_isolation,
+    isolation,
     run_in_child,
 )
 
@@ -100,29 +102,28 @@ def hostile(name: str) -> str:
     return f"{HOSTILE}:{name}"
 
 
-def process_state(pid: int) -> tuple[str, int] | None:
-    """(state, process group) from /proc, or None if there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces
-    return fields[0], int(fields[2])
-
-
-def is_alive(pid: int) -> bool:
-    state = process_state(pid)
-    return state is not None and state[0] != "Z"  # a zombie is dead, only not yet reaped
-
-
-def live_group_members(pgid: int) -> list[int]:
-    members = []
+def processes_where(matches: Callable[[Path], bool]) -> list[int]:
+    """Host pids of live (not zombie) processes whose /proc entry matches."""
+    found = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            state = process_state(int(entry.name))
-            if state is not None and state[0] != "Z" and state[1] == pgid:
-                members.append(int(entry.name))
-    return members
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            alive = stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, not yet reaped
+            if alive and matches(entry):
+                found.append(int(entry.name))
+        except OSError:
+            continue  # gone while we looked, or not ours to read
+    return found
+
+
+def command_line_holds(marker: str) -> Callable[[Path], bool]:
+    return lambda entry: marker in (entry / "cmdline").read_bytes().decode(errors="replace")
+
+
+def works_in(folder: Path) -> Callable[[Path], bool]:
+    return lambda entry: (entry / "cwd").resolve() == folder.resolve()
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = GONE_WAIT_S) -> bool:
@@ -154,9 +155,10 @@ def test_hanging_path_is_killed_with_its_grandchildren(tmp_path: Path) -> None:
     assert isinstance(outcome, ChildTimedOut), outcome
     assert HANG_TIMEOUT_S <= outcome.after_s < HANG_TIMEOUT_S + 10
     assert isinstance(outcome.log_tail, str)
-    pids = json.loads((workdir / hostile_paths.PIDS_FILE).read_text())
-    assert wait_until(lambda: not is_alive(pids["grandchild"])), "the grandchild outlived the run"
-    assert wait_until(lambda: not live_group_members(pids["pgid"]))
+    marker = json.loads((workdir / hostile_paths.PIDS_FILE).read_text())["grandchild_marker"]
+    grandchild = command_line_holds(marker)
+    assert wait_until(lambda: not processes_where(grandchild)), "the grandchild outlived the run"
+    assert wait_until(lambda: not processes_where(works_in(workdir))), "the child outlived it"
 
 
 def test_path_that_exits_is_a_crash_with_its_exit_code(tmp_path: Path) -> None:
@@ -166,10 +168,10 @@ def test_path_that_exits_is_a_crash_with_its_exit_code(tmp_path: Path) -> None:
     assert "authenticated" in outcome.error
 
 
-def test_path_that_kills_itself_is_a_crash_with_the_signal(tmp_path: Path) -> None:
-    outcome = run(hostile("sigkills_forward"), tmp_path / "work")
+def test_path_that_crashes_natively_is_a_crash_with_the_signal(tmp_path: Path) -> None:
+    outcome = run(hostile("segfaults_forward"), tmp_path / "work")
     assert isinstance(outcome, ChildCrashed), outcome
-    assert outcome.exit_code == -9
+    assert outcome.exit_code == -signal.SIGSEGV
 
 
 def test_forged_verdict_on_stdout_and_garbage_on_fds_never_pass(tmp_path: Path) -> None:
@@ -204,6 +206,25 @@ def test_child_gets_only_the_allow_listed_environment(
     assert env["HOME"] == str(workdir.resolve())
     assert Path(env["TMPDIR"]).parent == Path(env["TRITON_CACHE_DIR"]).parent == workdir.resolve()
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)
+
+
+def test_child_cannot_read_other_processes_environments(tmp_path: Path) -> None:
+    if not isolation().processes:
+        pytest.skip("this OS does not allow a new PID namespace (unshare --pid)")
+    secret = f"secret-{os.urandom(8).hex()}"
+    # A process of the same user holding a secret in its environment, like the worker itself.
+    holder = subprocess.Popen(["sleep", "60"], env={"PATHGATE_SECRET_TOKEN": secret})
+    try:
+        assert secret in Path(f"/proc/{holder.pid}/environ").read_text()  # readable from here
+        workdir = tmp_path / "work"
+        outcome = run(hostile("snoops_processes_forward"), workdir)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert isinstance(outcome, Finished), outcome
+    seen = json.loads((workdir / hostile_paths.PROCESSES_FILE).read_text())
+    assert not [env for env in seen["environments"] if secret in env]
+    assert len(seen["visible"]) <= 3  # the child's own namespace: itself and what it started
 
 
 def test_child_runs_under_resource_limits(tmp_path: Path) -> None:
@@ -253,7 +274,7 @@ def test_checkout_imports_its_own_module_but_cannot_shadow_the_harness(tmp_path:
 
 
 def test_child_has_no_network(tmp_path: Path) -> None:
-    if not network_isolation():
+    if not isolation().network:
         pytest.skip("this OS does not allow a new network namespace (unshare)")
     workdir = tmp_path / "work"
     outcome = run(hostile("connects_forward"), workdir)

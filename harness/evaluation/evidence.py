@@ -25,7 +25,9 @@ ClaimStatus = Literal["verified", "refuted", "inconclusive", "not_measurable"]
 
 
 class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # An error can be infinite (a NaN output): in JSON it travels as the string "Infinity",
+    # which reads back as a float, where JSON's own null would not.
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
 
 class OutputErrorEvidence(Model):

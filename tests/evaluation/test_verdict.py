@@ -1,4 +1,5 @@
-"""Claims against measured intervals, and the verdict's precedence: FAIL > INCONCLUSIVE > PASS."""
+"""Claims against measured intervals, and the verdict's precedence:
+FAIL > NEEDS_REVIEW > INCONCLUSIVE > PASS."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import pytest
 from harness.evaluation.evidence import (
     CaseEvidence,
     ClaimEvidence,
+    CorrectnessEvidence,
+    OutputErrorEvidence,
     PerformanceEvidence,
     ProbeEvidence,
+    TrialEvidence,
 )
 from harness.evaluation.verdict import check_claim, decide
 from scopes.manifest import Claim
@@ -143,3 +147,61 @@ def test_verdict_precedence(cases: list, probes: list, claims: list, verdict: st
     decided, reasons = decide(cases, probes, claims, ["not runnable here: needs 8x GB300"])
     assert decided == verdict
     assert reasons
+
+
+def _suspicious(**changes: object) -> list[CaseEvidence]:
+    perf = _perf((1.9, 1.85, 1.95), (50, 49, 51)).model_copy(update=changes)
+    return [_case(1, perf)]
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"speedup": 12.5}, "speedup 12.50x is above 10x"),
+        ({"candidate_hbm_fraction": 1.3}, "130% of the HBM floor"),
+        ({"integrity_flags": ["the wall clock measured 9 us"]}, "the wall clock measured 9 us"),
+    ],
+    ids=["above-10x", "beyond-floor", "cross-check"],
+)
+def test_too_good_to_be_true_needs_review_never_passes(changes: dict, reason: str) -> None:
+    for claims in ([_claim("verified")], [_claim("not_measurable")]):
+        decided, reasons = decide(_suspicious(**changes), [PROBE_OK], claims, [])
+        assert decided == "NEEDS_REVIEW"
+        assert any(reason in r for r in reasons), reasons
+
+
+def test_a_failure_outranks_review() -> None:
+    cases = [*_suspicious(speedup=50.0), _case(2, None, "failed")]
+    decided, _ = decide(cases, [PROBE_OK], [], [])
+    assert decided == "FAIL"
+
+
+def test_cpu_timings_never_send_to_review() -> None:
+    perf = _perf((40.0, 39.0, 41.0), (1, 1, 1)).model_copy(update={"is_gpu_evidence": False})
+    decided, _ = decide([_case(1, perf)], [PROBE_OK], [], [])
+    assert decided == "PASS"
+
+
+def test_infinite_errors_survive_the_json_round_trip() -> None:
+    """A NaN output has an infinite error; the evidence must still travel as JSON (the runner's
+    result channel, the store) and read back the same."""
+    infinite = OutputErrorEvidence(
+        name="out",
+        candidate_error=float("inf"),
+        stock_error=1e-3,
+        error_ratio=float("inf"),
+        cosine=float("nan"),
+    )
+    correctness = CorrectnessEvidence(
+        status="failed",
+        reasons=["NaN"],
+        worst_error_ratio=float("inf"),
+        trials=[TrialEvidence(seed=1, outputs=[infinite], reasons=["NaN"])],
+    )
+    case = _case(1, None, "failed").model_copy(update={"correctness": correctness})
+    back = CaseEvidence.model_validate_json(case.model_dump_json())
+    assert back.correctness is not None
+    assert back.correctness.worst_error_ratio == float("inf")
+    assert (
+        back.correctness.trials[0].outputs[0].cosine != back.correctness.trials[0].outputs[0].cosine
+    )

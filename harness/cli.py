@@ -17,6 +17,7 @@ from rich.table import Table
 from harness.config import get_settings
 from harness.evaluation.environment import DeviceUnavailable
 from harness.evaluation.evidence import Evidence
+from harness.serving.cli import app as serving_app
 from scopes.manifest import ManifestError, ScopeManifest, load_manifest_file
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3, "NEEDS_REVIEW": 4}
@@ -259,6 +260,7 @@ def _kernels(stock: float | None, candidate: float | None, source: str | None) -
 
 github_app = typer.Typer(help="GitHub commit statuses (docs/github.md).", no_args_is_help=True)
 app.add_typer(github_app, name="github")
+app.add_typer(serving_app, name="serving")  # engine-level A/B and vLLM imports (docs/serving.md)
 
 
 @github_app.command("sync")

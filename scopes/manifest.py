@@ -19,9 +19,35 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from scopes.engine import EngineSpec
+
 KNOWN_GPUS = ("H100", "H200", "B200", "GB200", "GB300", "MI300X", "cpu")
 GpuKind = Literal["H100", "H200", "B200", "GB200", "GB300", "MI300X", "cpu"]
-Metric = Literal["speedup", "latency_us", "kernels_per_layer", "tokens_per_s", "hbm_fraction"]
+Metric = Literal[
+    "speedup",
+    "latency_us",
+    "kernels_per_layer",
+    "tokens_per_s",
+    "hbm_fraction",
+    # judged by the engine-level A/B (harness/serving/ab.py), never by a layer benchmark
+    "ttft_ms",
+    "tpot_ms",
+    "interactivity_p90",
+    "request_throughput",
+    "acceptance_length",
+    "tokens_per_s_gain",
+    "interactivity_p90_gain",
+]
+SERVING_METRICS = (
+    "tokens_per_s",
+    "ttft_ms",
+    "tpot_ms",
+    "interactivity_p90",
+    "request_throughput",
+    "acceptance_length",
+    "tokens_per_s_gain",
+    "interactivity_p90_gain",
+)
 Dtype = Literal["bfloat16", "float16", "float32"]
 WHERE_KEYS = ("batch", "context", "cp", "gpus")
 
@@ -150,6 +176,7 @@ class ScopeManifest(Strict):
     workload: Workload
     tolerance: Tolerance = Tolerance()
     claims: list[Claim] = Field(default_factory=list)
+    engine: EngineSpec | None = None  # how to A/B the path inside a serving engine
 
     @field_validator("name")
     @classmethod

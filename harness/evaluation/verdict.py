@@ -20,7 +20,7 @@ from harness.evaluation.evidence import (
     ProbeEvidence,
     Verdict,
 )
-from scopes.manifest import Claim
+from scopes.manifest import SERVING_METRICS, Claim
 
 FAILING_CASE_STATUSES = {"failed", "crashed", "unsupported", "timed_out"}
 # A measured speedup above this is plausible, but too valuable to a cheat to pass unread.
@@ -47,10 +47,10 @@ def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> Claim
 
     if claim.hardware and claim.hardware != host_gpu:
         return result("not_measurable", f"needs {claim.hardware}; this run was on {host_gpu}")
-    if claim.metric == "tokens_per_s":
+    if claim.metric in SERVING_METRICS:
         return result(
             "not_measurable",
-            "tokens_per_s is an engine-level metric; layer-level evidence does not measure it",
+            f"{claim.metric} is an engine-level metric; layer-level evidence does not measure it",
         )
     selected = [c for c in cases if _selected(claim, c) and c.performance is not None]
     if host_gpu == "cpu":

@@ -1,0 +1,135 @@
+"""`pathgate serving ...`: the engine-level A/B and the import of `vllm bench serve` results.
+
+A typer sub-app; harness/cli.py registers it. Exit codes follow `pathgate validate`: 0 when every
+serving claim is verified, 1 when one is refuted or an arm's server failed, 3 when a claim is
+inconclusive or not measurable here, 2 on a bad manifest, file or usage.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from harness.serving.ab import ABOptions, ABResult, run_ab, serve_params
+from harness.serving.vllm_import import VllmResultError, import_vllm_result
+from scopes.manifest import ManifestError, ScopeManifest, load_manifest_file
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
+
+app = typer.Typer(
+    help="Engine-level A/B: the stock serving engine vs the specialized path.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+
+@app.command("ab")
+def ab_command(
+    scope: Annotated[Path, typer.Argument(help="scope manifest with an engine: section")],
+    out: Annotated[Path, typer.Option(help="folder for serving.json and server logs")] = Path(
+        "pathgate-out/serving"
+    ),
+    cp: Annotated[int | None, typer.Option(help="decode CP degree (default: the first)")] = None,
+    gpus: Annotated[int | None, typer.Option(help="GPU count (default: the first)")] = None,
+    seed: Annotated[int, typer.Option(help="prompt seed, the same for both arms")] = 0,
+    host_gpu: Annotated[
+        str | None, typer.Option(help="this host's GPU kind (default: from nvidia-smi)")
+    ] = None,
+) -> None:
+    """Start the server for each arm, drive the scope's workloads and greedy prompts through it,
+    compare the arms and judge the serving claims; writes OUT/serving.json."""
+    manifest = _load_or_exit(scope)
+    if manifest.engine is None:
+        console.print(f"[red]{scope}: the scope has no engine: section[/red]")
+        raise typer.Exit(EXIT_USAGE)
+    options = ABOptions(
+        out_dir=out,
+        params=serve_params(manifest, cp, gpus),
+        host_gpu=host_gpu or detect_gpu_kind(),
+        seed=seed,
+    )
+    result = run_ab(manifest, options)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps(result.to_json(), indent=2, allow_nan=False))
+    _print_result(result)
+    console.print(f"evidence: {out / 'serving.json'}")
+    raise typer.Exit(exit_code(result))
+
+
+@app.command("import-vllm")
+def import_vllm_command(
+    files: Annotated[list[Path], typer.Argument(help="`vllm bench serve --save-result` files")],
+    out: Annotated[Path | None, typer.Option(help="write the rows here (default: stdout)")] = None,
+) -> None:
+    """Import vLLM benchmark results as evidence rows with provenance (JSON)."""
+    try:
+        imported = [import_vllm_result(path).to_json() for path in files]
+    except VllmResultError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_USAGE) from None
+    text = json.dumps(imported, indent=2, allow_nan=False)
+    if out is None:
+        typer.echo(text)
+    else:
+        out.write_text(text)
+        console.print(f"{len(imported)} result(s) written to {out}")
+
+
+def _load_or_exit(scope: Path) -> ScopeManifest:
+    try:
+        return load_manifest_file(scope)
+    except ManifestError as exc:
+        console.print(f"[red]{scope}: invalid manifest[/red]\n{exc}")
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def detect_gpu_kind() -> str:
+    """The host's GPU kind from nvidia-smi, without touching CUDA in this process (a context
+    here would take GPU memory the server is about to claim); "cpu" without one."""
+    from harness.evaluation.environment import gpu_kind
+
+    if shutil.which("nvidia-smi") is None:
+        return "cpu"
+    query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+    done = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    names = done.stdout.strip().splitlines()
+    return gpu_kind(names[0]) if done.returncode == 0 and names else "cpu"
+
+
+def exit_code(result: ABResult) -> int:
+    statuses = {claim.status for claim in result.claims}
+    if result.failures or "refuted" in statuses:
+        return EXIT_FAIL
+    if statuses & {"inconclusive", "not_measurable"}:
+        return EXIT_INCONCLUSIVE
+    return EXIT_PASS
+
+
+def _print_result(result: ABResult) -> None:
+    for failure in result.failures:
+        console.print(f"[red]failed: {failure}[/red]")
+    table = Table("row", "tokens/s base", "tokens/s cand", "gain [95% CI]", "failed")
+    for row in result.rows:
+        tps = row.metrics["tokens_per_s"]
+        gain = f"{tps.gain:.3f} [{tps.gain_ci95[0]:.3f}, {tps.gain_ci95[1]:.3f}]"
+        failed = f"{row.failed_requests['baseline']}/{row.failed_requests['candidate']}"
+        base, cand = f"{tps.baseline_median:.1f}", f"{tps.candidate_median:.1f}"
+        table.add_row(row.id, base, cand, gain, failed)
+    console.print(table)
+    if result.accuracy is not None:
+        greedy = result.accuracy.greedy
+        console.print(
+            f"greedy: exact match {greedy.exact_match_rate:.3f}, "
+            f"{greedy.unit} match {greedy.token_match_rate:.3f}; "
+            f"gsm8k: {result.accuracy.gsm8k_summary}"
+        )
+    for claim in result.claims:
+        console.print(f"claim {claim.status}: {claim.description}: {claim.reason}")

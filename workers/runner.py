@@ -13,6 +13,7 @@ candidate is never taken for the evidence.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hmac
 import json
@@ -144,6 +145,9 @@ def _run(request: RunRequest, workdir: Path) -> RunOutcome:
     for folder in (workdir, workdir / "tmp", workdir / "triton-cache"):
         folder.mkdir(parents=True, exist_ok=True)
     key = secrets.token_bytes(KEY_BYTES)
+    # The worker draws the secret run seed, so it can tell evidence of this run from any other.
+    if request.seed is None:
+        request = dataclasses.replace(request, seed=secrets.randbits(63))
     started = time.monotonic()
     # The parent keeps its own handle on the log: the child may replace the file at that path
     # (it is in its HOME), but the tail is read from the file the child was given.
@@ -161,7 +165,7 @@ def _run(request: RunRequest, workdir: Path) -> RunOutcome:
         tail = _log_tail(log)
     if timed_out:
         return ChildTimedOut(round(time.monotonic() - started, 1), tail)
-    return _outcome(raw, key, process.returncode, tail)
+    return _outcome(raw, key, process.returncode, tail, request.seed)
 
 
 def _spawn(workdir: Path, log: IO[bytes], write_fd: int) -> subprocess.Popen[bytes]:
@@ -278,7 +282,9 @@ def _log_tail(log: IO[bytes]) -> str:
     return os.pread(log.fileno(), size - offset, offset).decode("utf-8", errors="replace")
 
 
-def _outcome(raw: bytes, key: bytes, exit_code: int | None, tail: str) -> RunOutcome:
+def _outcome(
+    raw: bytes, key: bytes, exit_code: int | None, tail: str, seed: int | None
+) -> RunOutcome:
     message = authenticated_message(raw, key)
     if message is None:
         error = f"no authenticated result from the child (exit code {exit_code})"
@@ -290,9 +296,13 @@ def _outcome(raw: bytes, key: bytes, exit_code: int | None, tail: str) -> RunOut
         error = f"the child exited with code {exit_code} after sending its evidence"
         return ChildCrashed(error, exit_code, tail)
     try:
-        return Finished(Evidence.model_validate_json(payload), tail)
+        evidence = Evidence.model_validate_json(payload)
     except ValidationError as exc:
         return ChildCrashed(f"the evidence sent is not valid: {exc}", exit_code, tail)
+    if evidence.run.seed != seed:
+        error = f"the evidence is of another run (seed {evidence.run.seed}, this run's {seed})"
+        return ChildCrashed(error, exit_code, tail)
+    return Finished(evidence, tail)
 
 
 def authenticated_message(raw: bytes, key: bytes) -> tuple[str, str] | None:

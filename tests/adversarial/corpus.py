@@ -123,8 +123,10 @@ ATTACKS = (
     Attack(
         "forges_result",
         "forged PASS on stdout and inherited descriptors, zeros computed",
-        ("FAIL",),
-        WRONG,
+        ("FAIL", "crashed"),
+        (*WRONG, "CUDA error"),
+        note="on a GPU its writes land in the CUDA driver's own descriptors and the run ends in "
+        "an error: never the forged PASS",
     ),
     Attack(
         "reads_secrets",

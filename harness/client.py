@@ -8,7 +8,16 @@ from collections.abc import Callable
 import httpx
 
 # waiting_for_hardware is as far as a submission gets until a worker for its hardware appears
-SETTLED = {"passed", "failed", "inconclusive", "error", "timed_out", "waiting_for_hardware"}
+# harness.store.models.FINISHED_STATES, and waiting; spelled out so the client needs no store
+SETTLED = {
+    "passed",
+    "failed",
+    "needs_review",
+    "inconclusive",
+    "error",
+    "timed_out",
+    "waiting_for_hardware",
+}
 POLL_S = 2.0
 
 
@@ -26,7 +35,7 @@ def submit_and_wait(
     timeout_s: float,
     say: Callable[[str], None],
 ) -> str:
-    """Submit; return the verdict (PASS / FAIL / INCONCLUSIVE) or the final state when waiting,
+    """Submit; return the verdict (PASS / FAIL / NEEDS_REVIEW / INCONCLUSIVE) or the final state when waiting,
     else "submitted"."""
     source = {"kind": "git", "url": git_url, "sha": git_sha} if git_url else {"kind": "in_tree"}
     headers = {"Authorization": f"Bearer {token}"}

@@ -118,3 +118,10 @@ def test_submit_to_no_server_exits_2() -> None:
     assert result.exit_code == 2
     assert "cannot reach" in result.output
     get_settings.cache_clear()
+
+
+def test_the_client_waits_for_every_finished_state() -> None:
+    from harness.client import SETTLED
+    from harness.store.models import FINISHED_STATES
+
+    assert set(FINISHED_STATES) | {"waiting_for_hardware"} == SETTLED

@@ -120,9 +120,14 @@ class Problem:
         }
 
     def step_finish(self, state: Tensors, outputs: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append kv_new to the cache, advance positions; the next layer's (x, residual), copied
-        so the caller may reuse its output buffers."""
-        state["kv_cache"] = torch.cat([state["kv_cache"], outputs["kv_new"][:, None]], 1)
+        """Append kv_new to the cache and drop its oldest token, advance positions; the next
+        layer's (x, residual), copied so the caller may reuse its output buffers.
+
+        A sliding window: the cache keeps the case's length, so every decode step has the case's
+        shapes and a compiled path (or a CUDA graph) never meets a new shape mid-check.
+        """
+        kv_cache = state["kv_cache"]
+        state["kv_cache"] = torch.cat([kv_cache[:, 1:], outputs["kv_new"][:, None]], 1)
         state["positions"] = state["positions"] + 1
         return outputs["out"].clone(), outputs["residual_out"].clone()
 

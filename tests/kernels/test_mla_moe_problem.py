@@ -322,7 +322,7 @@ def test_bytes_moved_at_kimi_k2_shard_size() -> None:
     assert problem.bytes_moved(case) == round(dense + per_expert + kv + io)
 
 
-def test_two_decode_steps_equal_one_forward_over_a_longer_context() -> None:
+def test_the_second_decode_step_sees_the_first_steps_token_in_its_window() -> None:
     problem, case = _problem(), _case(3, 5)
     weights = problem.make_weights(case, 11, CPU)
     state = problem.decode_state(case, 12, CPU)
@@ -333,17 +333,16 @@ def test_two_decode_steps_equal_one_forward_over_a_longer_context() -> None:
     hidden, residual = problem.step_finish(state, outputs)
     first_kv_new = outputs["kv_new"].clone()
     stock.forward(weights, problem.step_inputs(state, hidden, residual), outputs)
-    longer = {
+    shifted = {
         "x": hidden,
         "residual": residual,
-        "kv_cache": torch.cat([first_cache, first_kv_new[:, None]], 1),
+        "kv_cache": torch.cat([first_cache[:, 1:], first_kv_new[:, None]], 1),
         "positions": torch.full((3,), 6),
     }
-    direct = _stock(problem, _case(3, 6), weights, longer)
+    direct = _stock(problem, case, weights, shifted)
     assert all(torch.equal(outputs[k], direct[k]) for k in OUTPUTS)
-    assert state["kv_cache"].shape == (3, 6, 48) and state["positions"].tolist() == [6, 6, 6]
-    problem.step_finish(state, outputs)
-    assert state["kv_cache"].shape == (3, 7, 48)
+    # a sliding window: the case's shapes at every step
+    assert state["kv_cache"].shape == (3, 5, 48) and state["positions"].tolist() == [6, 6, 6]
 
 
 def test_forward_and_floor_bytes_leave_inputs_and_weights_untouched() -> None:

@@ -35,8 +35,8 @@ def submit_and_wait(
     timeout_s: float,
     say: Callable[[str], None],
 ) -> str:
-    """Submit; return the verdict (PASS / FAIL / NEEDS_REVIEW / INCONCLUSIVE) or the final state when waiting,
-    else "submitted"."""
+    """Submit; return the verdict (PASS / FAIL / NEEDS_REVIEW / INCONCLUSIVE) or the final state
+    when waiting, else "submitted"."""
     source = {"kind": "git", "url": git_url, "sha": git_sha} if git_url else {"kind": "in_tree"}
     headers = {"Authorization": f"Bearer {token}"}
     with httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=30) as client:

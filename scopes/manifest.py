@@ -167,6 +167,21 @@ class Claim(Strict):
         return f"{self.metric} {bound} ({where}){on}"
 
 
+class ModelCheck(Strict):
+    """The model-level decode check: a small model of `layers` layers of the problem (distinct
+    synthetic weights), a random embedding and LM head, greedy decoding for `steps` steps from
+    `prompts` random prompts, stock vs candidate (harness/evaluation/decode_check.py)."""
+
+    layers: int = Field(4, ge=1, le=64)
+    steps: int = Field(32, ge=1, le=4096)
+    prompts: int = Field(4, ge=1, le=512)
+    vocab: int = Field(4096, ge=2, le=262144)
+    # greedy tokens that must agree (under teacher forcing on the stock's tokens)
+    min_token_match: float = Field(0.95, gt=0, le=1)
+    # mean KL(stock || candidate) of the next-token distributions, in nats
+    max_mean_kl: float = Field(1e-3, gt=0)
+
+
 class ScopeManifest(Strict):
     name: str
     summary: str = Field(min_length=1)
@@ -177,6 +192,8 @@ class ScopeManifest(Strict):
     tolerance: Tolerance = Tolerance()
     claims: list[Claim] = Field(default_factory=list)
     engine: EngineSpec | None = None  # how to A/B the path inside a serving engine
+    # run where the problem offers decode-stack hooks; these are the defaults when absent
+    model_check: ModelCheck = ModelCheck()
 
     @field_validator("name")
     @classmethod

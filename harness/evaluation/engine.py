@@ -2,8 +2,8 @@
 
 evaluate() detects the host, draws the secret run seed, expands the plan, loads the path's entry
 points, and for every case runs correctness first and, if it passes, timing and profiling; then
-the guard probes, the claims and the verdict. Each stage lives in its own module; this one only
-sequences them and turns their results into evidence.
+the guard probes, the model-level decode check, the claims and the verdict. Each stage lives in
+its own module; this one only sequences them and turns their results into evidence.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from pathlib import Path
 import torch
 
 from harness.evaluation import correctness as correctness_mod
+from harness.evaluation import decode_check
 from harness.evaluation.cases import Case
 from harness.evaluation.environment import detect_host, fingerprint, hbm_bytes_per_s
 from harness.evaluation.evidence import (
     CaseEvidence,
     CorrectnessEvidence,
+    DecodeCheckEvidence,
     Evidence,
     OutputErrorEvidence,
     PerformanceEvidence,
@@ -103,7 +105,9 @@ def evaluate(
     if plan.runnable:
         run = _run_path(manifest, plan, host, secret_seed, options, progress)
     claims = [check_claim(claim, run.cases, host.gpu) for claim in manifest.claims]
-    verdict, reasons = decide(run.cases, run.probes, claims, list(plan.not_run), run.tampering)
+    verdict, reasons = decide(
+        run.cases, run.probes, claims, list(plan.not_run), run.tampering, run.decode_check
+    )
     command = options.command or reproduce_command(
         f"scopes/{manifest.name}.yaml", host.device, options.quick, secret_seed
     )
@@ -126,6 +130,7 @@ def evaluate(
         probes=run.probes,
         tampering=run.tampering,
         warnings=run.warnings,
+        decode_check=run.decode_check,
         claims=claims,
         notes=notes,
     )
@@ -137,6 +142,7 @@ class RunResults:
     probes: list[ProbeEvidence] = field(default_factory=list)
     tampering: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # the static pre-screen's findings
+    decode_check: DecodeCheckEvidence | None = None
 
 
 def _run_path(
@@ -202,7 +208,41 @@ def _run_plan(
         if _tampered(snapshot, f"checking {probe.origin}", run):
             return
     if progress:
+        progress(total, total, "model-level decode check")
+    failing = [c for c in run.cases if c.status != "passed"]
+    if failing:  # already a FAIL: the model-level check would add time, not a verdict
+        why = f"skipped: {len(failing)} in-scope case(s) already failed"
+        run.decode_check = decode_check.not_run(manifest, why)
+    else:
+        run.decode_check = model_check(path, manifest, host, secret_seed, options.quick, device)
+    if _tampered(snapshot, "the model-level decode check", run):
+        return
+    if progress:
         progress(total, total, "done")
+
+
+def model_check(
+    path: LoadedPath,
+    manifest: ScopeManifest,
+    host: Host,
+    secret_seed: int,
+    quick: bool,
+    device: torch.device,
+) -> DecodeCheckEvidence:
+    """The model-level decode check, where the problem has decode hooks and the guard accepts
+    the check's case."""
+    if not decode_check.has_hooks(path.problem):
+        return decode_check.not_run(manifest, "the problem has no decode-stack hooks")
+    case = decode_check.check_case(manifest, host.gpu, 1)
+    try:
+        accepted: object = path.supports(case)
+    except SUBMITTED_CODE_ERRORS as exc:
+        accepted = f"raised {exc!r}"
+    if accepted is not True:
+        return decode_check.not_run(manifest, f"the guard refuses {case.id} ({accepted!r})")
+    settings = decode_check.effective_settings(manifest.model_check, quick)
+    seed = derive_seed(secret_seed, "model check")
+    return decode_check.run_decode_check(path, case, settings, seed, device)
 
 
 def screen_entry_points(manifest: ScopeManifest) -> list[Finding]:

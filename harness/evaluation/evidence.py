@@ -122,6 +122,27 @@ class ClaimEvidence(Model):
     reason: str
 
 
+class DecodeCheckEvidence(Model):
+    """The model-level decode check (harness/evaluation/decode_check.py)."""
+
+    case: str
+    layers: int
+    steps: int
+    prompts: int
+    vocab: int
+    min_token_match: float
+    max_mean_kl: float
+    status: Literal["passed", "failed", "crashed", "not_run"]
+    reasons: list[str]
+    token_match: float | None = None  # greedy choices that agree, candidate teacher-forced
+    first_divergence: list[int | None] = []  # per prompt: first step whose choice differs
+    mean_kl: float | None = None  # KL(stock || candidate), nats, over steps and prompts
+    max_kl: float | None = None
+    kl_per_step: list[float] = []  # mean over prompts
+    stock_tokens: list[list[int]] = []  # per prompt, per step
+    candidate_tokens: list[list[int]] = []
+
+
 class RunInfo(Model):
     seed: int  # the secret run seed, revealed once the run is over so it can be reproduced
     device: str
@@ -148,3 +169,4 @@ class Evidence(Model):
     tampering: list[str] = []
     # the static pre-screen's findings: for the reviewer, never a verdict by themselves
     warnings: list[str] = []
+    decode_check: DecodeCheckEvidence | None = None

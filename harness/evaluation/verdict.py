@@ -5,7 +5,8 @@ verified when the whole interval meets the bound (less the claim's tolerance), r
 whole interval misses it, inconclusive when it straddles. A claim for other hardware, an
 engine-level metric, or CPU timings is "not measurable here".
 
-The verdict, strongest first: FAIL (a failed case, guard probe or refuted claim, or tampering),
+The verdict, strongest first: FAIL (a failed case, guard probe, model-level decode check or
+refuted claim, or tampering),
 NEEDS_REVIEW (a measurement too good to pass unread), INCONCLUSIVE (a claim not verified here),
 PASS.
 """
@@ -16,6 +17,7 @@ from harness.evaluation.evidence import (
     CaseEvidence,
     ClaimEvidence,
     ClaimStatus,
+    DecodeCheckEvidence,
     PerformanceEvidence,
     ProbeEvidence,
     Verdict,
@@ -159,8 +161,13 @@ def decide(
     claims: list[ClaimEvidence],
     not_run: list[str],
     tampering: list[str] | None = None,
+    decode_check: DecodeCheckEvidence | None = None,
 ) -> tuple[Verdict, list[str]]:
     failures = [f"tampering: {t}" for t in tampering or []]
+    if decode_check is not None and decode_check.status in ("failed", "crashed"):
+        failures.append(
+            f"model-level decode check {decode_check.status}: {'; '.join(decode_check.reasons)}"
+        )
     failures += [
         f"case {c.id}: {'; '.join(c.reasons)}" for c in cases if c.status in FAILING_CASE_STATUSES
     ]

@@ -230,3 +230,25 @@ def _hbm_warnings(timed: list[CaseEvidence]) -> list[str]:
         f"beyond the HBM floor: the candidate moved its bytes faster than the measured HBM "
         f"bandwidth in {len(beyond)} case(s) ({ids}); the timing or the byte count is wrong."
     ]
+
+
+def decode_check_line(evidence: Evidence) -> str | None:
+    """The model-level decode check in one sentence, or None when the run has none."""
+    check = evidence.decode_check
+    if check is None:
+        return None
+    if check.status == "not_run":
+        return f"not run: {'; '.join(check.reasons)}"
+    shape = (
+        f"{check.layers} layers, {check.steps} steps, {check.prompts} prompts, vocab {check.vocab}"
+    )
+    if check.status == "crashed" or check.token_match is None or check.mean_kl is None:
+        return f"{check.status} ({shape}): {'; '.join(check.reasons)}"
+    diverged = [s for s in check.first_divergence if s is not None]
+    divergence = f"first divergence at step {min(diverged)}" if diverged else "no divergence"
+    return (
+        f"{check.status} ({shape}; {check.case}): greedy tokens agree at "
+        f"{check.token_match:.1%} of steps (at least {check.min_token_match:.1%}), {divergence}; "
+        f"mean KL(stock || candidate) {check.mean_kl:.3g} nats (at most {check.max_mean_kl:g}), "
+        f"max {check.max_kl:.3g}"
+    )

@@ -67,6 +67,7 @@ def report_context(evidence: Evidence, source: SourceInfo | None) -> dict[str, o
         "warnings": facts.warnings(evidence),
         "claims": facts.claim_rows(evidence),
         "correctness": facts.correctness_summary(evidence),
+        "decode_check": facts.decode_check_line(evidence),
         "coverage": facts.coverage(evidence),
         "kernel_summary": facts.kernel_summary(evidence),
         "environment": facts.environment_rows(evidence, source),

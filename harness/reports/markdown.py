@@ -35,6 +35,7 @@ def render_markdown(evidence: Evidence, source: SourceInfo | None = None) -> str
     lines += [""] + [f"> {_text(note)}" for note in evidence.notes]
     lines += [""] if evidence.notes else []
     lines += _warnings(evidence) + _claims(evidence) + _correctness(evidence)
+    lines += _decode_check(evidence)
     lines += _cases(evidence) + _kernels(evidence) + _coverage(evidence)
     lines += _environment(evidence, source)
     lines += ["## Reproduce", "", "```", evidence.run.command, "```", ""]
@@ -52,6 +53,11 @@ def _capped(lines: list[str], what: str) -> list[str]:
         return lines
     rest = len(lines) - MAX_LISTED
     return [*lines[:MAX_LISTED], f"- ... and {rest} more {what} (see the HTML report)"]
+
+
+def _decode_check(evidence: Evidence) -> list[str]:
+    line = facts.decode_check_line(evidence)
+    return [] if line is None else ["## Model-level decode check", "", _text(line), ""]
 
 
 def _warnings(evidence: Evidence) -> list[str]:

@@ -44,6 +44,18 @@ class Problem:
             "residual_out": torch.empty(shape, device=device, dtype=dtype),
         }
 
+    # Decode-stack hooks (harness/evaluation/decode_check.py): the layer keeps no state; its
+    # normalized output is the next layer's input and the residual sum travels beside it.
+
+    def decode_state(self, case: Case, seed: int, device: torch.device) -> Tensors:
+        return {}
+
+    def step_inputs(self, state: Tensors, hidden: torch.Tensor, residual: torch.Tensor) -> Tensors:
+        return {"x": hidden, "residual": residual}
+
+    def step_finish(self, state: Tensors, outputs: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        return outputs["out"].clone(), outputs["residual_out"].clone()
+
     def bytes_moved(self, case: Case) -> int:
         """Fewest bytes per layer: read x, residual, weight; write out, residual_out."""
         itemsize = torch.empty(0, dtype=_dtype(case)).element_size()

@@ -1,0 +1,227 @@
+"""The model-level decode check: does a model built from the path still answer the same?
+
+Layer-level correctness bounds one layer's error; a model stacks layers and feeds its own tokens
+back, so small errors can compound into different text. The check builds a small model from the
+problem's own layer: `layers` layers with distinct seeded weights, each with its decode state (for
+the MLA problem, a latent cache holding the case's context: the random prompt history), a random
+embedding, a final RMSNorm and a random LM head. The stock path decodes greedily for `steps`
+steps from random prompt tokens. The candidate is then teacher-forced on the stock's tokens (the
+same inputs at every step), so at every step both next-token distributions can be compared:
+whether their greedy choice agrees, and KL(stock || candidate). The first step whose greedy
+choice differs is where free-running decoding would diverge.
+
+A problem takes part by offering three hooks (kernels/mla_moe_decode/problem.py has them):
+`decode_state(case, seed, device)` (one layer's persistent state), `step_inputs(state, hidden,
+residual)` (the layer's inputs for one step) and `step_finish(state, outputs)` (update the state,
+return the next layer's hidden and residual). The hidden state is the input named "x".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from harness.evaluation.cases import Case
+from harness.evaluation.evidence import DecodeCheckEvidence
+from harness.evaluation.loading import LoadedPath, PathFn
+from harness.evaluation.outcomes import SUBMITTED_CODE_ERRORS
+from harness.evaluation.plan import derive_seed
+from scopes.manifest import ModelCheck, ScopeManifest
+
+Tensors = dict[str, torch.Tensor]
+HOOKS = ("decode_state", "step_inputs", "step_finish")
+QUICK_STEPS, QUICK_LAYERS = 8, 2
+LOGIT_STD = 4.0  # logits of this spread make greedy choices neither flat nor one-hot
+NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class SyntheticModel:
+    embedding: torch.Tensor  # (vocab, hidden), the case's dtype
+    head: torch.Tensor  # (vocab, hidden), float32
+    layers: list[Tensors]  # each layer's weights
+    prompt: torch.Tensor  # (prompts,) the first token of every sequence
+    state_seeds: list[int]  # each layer's decode-state seed: every run starts from the same state
+
+
+@dataclass(frozen=True)
+class Trace:
+    tokens: torch.Tensor  # (steps, prompts) greedy choices
+    log_probs: torch.Tensor  # (steps, prompts, vocab) float32
+
+
+def has_hooks(problem: object) -> bool:
+    return all(callable(getattr(problem, hook, None)) for hook in HOOKS)
+
+
+def check_case(manifest: ScopeManifest, host_gpu: str, gpus: int) -> Case:
+    """Where the check runs: as many sequences as prompts (within the batch range), the
+    shortest context in scope."""
+    workload, settings = manifest.workload, manifest.model_check
+    batch = min(max(settings.prompts, workload.batch.min), workload.batch.max)
+    return Case(
+        batch=batch,
+        context=workload.context.min if workload.context else None,
+        cp=1,
+        gpus=gpus,
+        dtype=manifest.model.dtype,
+        gpu=host_gpu,
+        origin="model check",
+        config=dict(manifest.model.config),
+    )
+
+
+def effective_settings(settings: ModelCheck, quick: bool) -> ModelCheck:
+    if not quick:
+        return settings
+    return settings.model_copy(
+        update={
+            "steps": min(settings.steps, QUICK_STEPS),
+            "layers": min(settings.layers, QUICK_LAYERS),
+        }
+    )
+
+
+def run_decode_check(
+    path: LoadedPath, case: Case, settings: ModelCheck, seed: int, device: torch.device
+) -> DecodeCheckEvidence:
+    """The check on one case; a candidate that raises is a crashed check, never an exception."""
+    evidence = DecodeCheckEvidence(
+        case=case.id,
+        layers=settings.layers,
+        steps=settings.steps,
+        prompts=case.batch,
+        vocab=settings.vocab,
+        min_token_match=settings.min_token_match,
+        max_mean_kl=settings.max_mean_kl,
+        status="not_run",
+        reasons=[],
+    )
+    model = build_model(path, case, settings, seed, device)
+    try:
+        stock = decode(path.baseline, path, case, model, settings.steps, forced=None)
+    except SUBMITTED_CODE_ERRORS as exc:
+        return replace_status(evidence, "crashed", [f"the stock path raised {exc!r}"])
+    try:
+        candidate = decode(path.candidate, path, case, model, settings.steps, forced=stock.tokens)
+    except SUBMITTED_CODE_ERRORS as exc:
+        return replace_status(evidence, "crashed", [f"the candidate raised {exc!r}"])
+    return compare(evidence, stock, candidate)
+
+
+def build_model(
+    path: LoadedPath, case: Case, settings: ModelCheck, seed: int, device: torch.device
+) -> SyntheticModel:
+    problem = path.problem
+    hidden = problem.make_inputs(case, derive_seed(seed, "width"), device)["x"].shape[-1]
+    gen = torch.Generator(device="cpu").manual_seed(derive_seed(seed, "model"))
+    dtype = getattr(torch, case.dtype)
+    embedding = torch.randn(settings.vocab, hidden, generator=gen).to(device, dtype)
+    head = (
+        torch.randn(settings.vocab, hidden, generator=gen) * (LOGIT_STD / math.sqrt(hidden))
+    ).to(device)
+    prompt = torch.randint(0, settings.vocab, (case.batch,), generator=gen).to(device)
+    layers = [
+        problem.make_weights(case, derive_seed(seed, "layer", i), device)
+        for i in range(settings.layers)
+    ]
+    state_seeds = [derive_seed(seed, "state", i) for i in range(settings.layers)]
+    return SyntheticModel(embedding, head, layers, prompt, state_seeds)
+
+
+def decode(
+    fn: PathFn,
+    path: LoadedPath,
+    case: Case,
+    model: SyntheticModel,
+    steps: int,
+    forced: torch.Tensor | None,
+) -> Trace:
+    """Greedy decoding with one path; with `forced`, each step's input is the forced token."""
+    problem, device = path.problem, model.embedding.device
+    states = [problem.decode_state(case, s, device) for s in model.state_seeds]
+    outputs = problem.make_outputs(case, device)
+    token, tokens, log_probs = model.prompt, [], []
+    for step in range(steps):
+        hidden = model.embedding[token]
+        residual = torch.zeros_like(hidden)
+        for weights, state in zip(model.layers, states, strict=True):
+            inputs = problem.step_inputs(state, hidden, residual)
+            # fresh dicts: rebinding an entry must not change the tensors read back
+            fn(dict(weights), dict(inputs), dict(outputs))
+            hidden, residual = problem.step_finish(state, outputs)
+        step_log_probs = _next_token_log_probs(hidden, residual, model.head)
+        greedy = step_log_probs.argmax(-1)
+        tokens.append(greedy)
+        log_probs.append(step_log_probs)
+        token = greedy if forced is None else forced[step]
+    return Trace(torch.stack(tokens), torch.stack(log_probs))
+
+
+def _next_token_log_probs(
+    hidden: torch.Tensor, residual: torch.Tensor, head: torch.Tensor
+) -> torch.Tensor:
+    final = hidden.float() + residual.float()
+    final = final * torch.rsqrt(final.square().mean(-1, keepdim=True) + NORM_EPS)
+    return torch.log_softmax(final @ head.T, dim=-1)
+
+
+def compare(evidence: DecodeCheckEvidence, stock: Trace, candidate: Trace) -> DecodeCheckEvidence:
+    agree = stock.tokens == candidate.tokens  # (steps, prompts)
+    # KL(stock || candidate) per step and prompt; a NaN or -inf log-prob makes it infinite
+    kl = (stock.log_probs.exp() * (stock.log_probs - candidate.log_probs)).sum(-1)
+    kl = torch.where(kl.isfinite(), kl, torch.full_like(kl, math.inf))
+    token_match = float(agree.float().mean())
+    mean_kl = float(kl.mean())
+    evidence = evidence.model_copy(
+        update={
+            "token_match": token_match,
+            "first_divergence": [_first_false(agree[:, p]) for p in range(agree.shape[1])],
+            "mean_kl": mean_kl,
+            "max_kl": float(kl.max()),
+            "kl_per_step": [float(v) for v in kl.mean(-1)],
+            "stock_tokens": stock.tokens.T.tolist(),
+            "candidate_tokens": candidate.tokens.T.tolist(),
+        }
+    )
+    reasons = []
+    if not token_match >= evidence.min_token_match:
+        diverged = [s for s in evidence.first_divergence if s is not None]
+        reasons.append(
+            f"greedy tokens agree at {token_match:.1%} of steps (at least "
+            f"{evidence.min_token_match:.1%} needed); first divergence at step {min(diverged)}"
+        )
+    if not mean_kl <= evidence.max_mean_kl:
+        reasons.append(
+            f"mean KL(stock || candidate) of the next-token distributions {mean_kl:.3g} nats "
+            f"(at most {evidence.max_mean_kl:g})"
+        )
+    return replace_status(evidence, "failed" if reasons else "passed", reasons)
+
+
+def replace_status(
+    evidence: DecodeCheckEvidence, status: str, reasons: list[str]
+) -> DecodeCheckEvidence:
+    return evidence.model_copy(update={"status": status, "reasons": reasons})
+
+
+def _first_false(column: torch.Tensor) -> int | None:
+    misses = (~column).nonzero()
+    return int(misses[0, 0]) if len(misses) else None
+
+
+def not_run(manifest: ScopeManifest, why: str) -> DecodeCheckEvidence:
+    settings = manifest.model_check
+    return DecodeCheckEvidence(
+        case="",
+        layers=settings.layers,
+        steps=settings.steps,
+        prompts=settings.prompts,
+        vocab=settings.vocab,
+        min_token_match=settings.min_token_match,
+        max_mean_kl=settings.max_mean_kl,
+        status="not_run",
+        reasons=[why],
+    )

@@ -64,6 +64,18 @@ class JobRead(BaseModel):
     finished_at: UtcDateTime | None
 
 
+class ServingResultRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    submission_id: int
+    kind: str
+    source_name: str
+    sha256: str
+    attached_by: str
+    created_at: UtcDateTime
+    data: dict[str, Any]
+
+
 class SubmissionCreated(BaseModel):
     id: int
     state: str

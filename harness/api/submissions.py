@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, PlainTextResponse
 
 from harness import submissions
@@ -13,6 +16,7 @@ from harness.api.schemas import (
     JobRead,
     ManifestCheck,
     ManifestValid,
+    ServingResultRead,
     SubmissionCreate,
     SubmissionCreated,
     SubmissionPage,
@@ -20,11 +24,13 @@ from harness.api.schemas import (
     problem_responses,
 )
 from harness.config import get_settings
-from harness.errors import NotFound
+from harness.errors import InvalidInput, NotFound
 from harness.evaluation.evidence import Verdict
 from harness.reports.combined import combined_report, render_combined_html, render_combined_markdown
+from harness.serving.vllm_import import VllmResultError, parse_vllm_result
 from harness.store import repositories as repo
-from harness.store.models import Submission, SubmissionState
+from harness.store.db import session_scope
+from harness.store.models import ApiToken, ServingResult, Submission, SubmissionState
 from workers.routing import queues_for_manifest
 
 # Error bodies are declared (Problem) so the spec matches what the handlers send; fuzzing the spec
@@ -104,6 +110,71 @@ def rerun(submission_id: SubmissionId, session: SessionDep, token: Maintainer) -
     live = repo.live_queues(session, get_settings().worker_stale_after_s)
     jobs = submissions.rerun(session, submission_id, token, live)
     return [JobRead.model_validate(job) for job in jobs]
+
+
+# A vLLM result with per-request lists (--save-detailed) of 10k requests is a few MB.
+SourceName = Annotated[str, Query(min_length=1, max_length=255, pattern=r"^[\w.+-]+$")]
+
+
+@router.post(
+    "/submissions/{submission_id}/serving-results",
+    status_code=201,
+    response_model=ServingResultRead,
+    responses=problem_responses(404),
+)
+async def attach_serving_result(
+    request: Request, submission_id: SubmissionId, name: SourceName, token: CurrentToken
+) -> ServingResultRead:
+    """Attach a `vllm bench serve --save-result` file (the request body, as vLLM wrote it) to a
+    submission: it becomes evidence rows with its provenance (file name, sha256 of the body)."""
+    raw = await request.body()
+    return await run_in_threadpool(_attach, raw, submission_id, name, token)
+
+
+def _attach(raw: bytes, submission_id: int, name: str, token: ApiToken) -> ServingResultRead:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"{name}: not JSON: {exc}") from None
+    try:
+        imported = parse_vllm_result(data, name, hashlib.sha256(raw).hexdigest())
+    except VllmResultError as exc:
+        raise InvalidInput(str(exc)) from None
+    with session_scope() as session:
+        submission = _visible(session, submission_id, token)
+        record = repo.add_serving_result(
+            session,
+            ServingResult(
+                submission_id=submission.id,
+                kind="vllm_bench_serve",
+                source_name=name,
+                sha256=imported.provenance.sha256,
+                attached_by=token.name,
+                data=imported.to_json(),
+            ),
+        )
+        repo.record_audit(
+            session,
+            token.name,
+            "serving_result.attach",
+            f"submission:{submission.id}",
+            {"serving_result": record.id, "sha256": record.sha256},
+        )
+        return ServingResultRead.model_validate(record)
+
+
+@router.get(
+    "/submissions/{submission_id}/serving-results",
+    response_model=list[ServingResultRead],
+    responses=NOT_FOUND,
+)
+def list_serving_results(
+    submission_id: SubmissionId, session: SessionDep, token: CurrentToken
+) -> list[ServingResultRead]:
+    submission = _visible(session, submission_id, token)
+    return [
+        ServingResultRead.model_validate(r) for r in repo.serving_results_of(session, submission.id)
+    ]
 
 
 @router.post("/scopes/validate", response_model=ManifestValid)

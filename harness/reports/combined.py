@@ -41,7 +41,43 @@ def combined_report(session: Session, submission: Submission) -> dict[str, Any]:
             }
             for job in jobs
         ],
+        "serving_results": [
+            {
+                "id": result.id,
+                "kind": result.kind,
+                "source_name": result.source_name,
+                "sha256": result.sha256,
+                "attached_by": result.attached_by,
+                "attached_at": result.created_at.isoformat(timespec="seconds"),
+                "data": result.data,
+            }
+            for result in repo.serving_results_of(session, submission.id)
+        ],
     }
+
+
+def serving_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(what, value, provenance key) of an attached result's rows that name a pathgate metric,
+    vLLM's own rows first, then those derived here from its per-request lists."""
+    data = result["data"]
+    rows = []
+    for origin, entries in (("", data.get("rows", [])), (" (derived)", data.get("derived", []))):
+        for row in entries:
+            if row.get("metric") is None:
+                continue
+            what = row["metric"] + (f" {row['statistic']}" if row.get("statistic") else "")
+            rows.append((what + origin, f"{row['value']:.4g} {row['unit']}", row["key"]))
+    return rows
+
+
+def serving_provenance(result: dict[str, Any]) -> str:
+    p = result["data"].get("provenance", {})
+    return (
+        f"{result['source_name']} (sha256 {result['sha256'][:16]}…): {p.get('backend')} serving "
+        f"{p.get('model_id')}, {p.get('num_prompts')} prompts, max concurrency "
+        f"{p.get('max_concurrency')}, request rate {p.get('request_rate')}, run {p.get('date')}; "
+        f"attached by {result['attached_by']} at {result['attached_at']}"
+    )
 
 
 def render_combined_markdown(report: dict[str, Any]) -> str:
@@ -64,7 +100,25 @@ def render_combined_markdown(report: dict[str, Any]) -> str:
         if job["markdown"]:
             body = job["markdown"].split("\n", 1)[1] if "\n" in job["markdown"] else ""
             lines += [body.replace("\n## ", "\n### "), ""]
+    lines += _serving_markdown(report["serving_results"])
     return "\n".join(lines)
+
+
+def _serving_markdown(results: list[dict[str, Any]]) -> list[str]:
+    if not results:
+        return []
+    lines = ["## Serving results (attached `vllm bench serve` files)", ""]
+    for result in results:
+        lines += [f"- {_md(serving_provenance(result))}", ""]
+        lines += ["  | metric | value | vLLM key |", "  |---|---|---|"]
+        lines += [f"  | {_md(w)} | {_md(v)} | `{_md(k)}` |" for w, v, k in serving_rows(result)]
+        lines += [""]
+    return lines
+
+
+def _md(text: str) -> str:
+    # attached files carry submitted text: keep it from opening HTML or breaking a table
+    return str(text).replace("<", "&lt;").replace("|", "\\|").replace("\n", " ")
 
 
 def render_combined_html(report: dict[str, Any]) -> str:
@@ -83,8 +137,25 @@ def render_combined_html(report: dict[str, Any]) -> str:
         else:
             reason = f"<p>{html.escape(job['reason'])}</p>" if job["reason"] else ""
             sections.append(Markup(heading + reason))
+    if report["serving_results"]:
+        sections.append(_serving_html(report["serving_results"]))
     title = f"pathgate: submission {report['submission']}: {verdict}"
     return render_sections_page(title, sections)
+
+
+def _serving_html(results: list[dict[str, Any]]) -> Markup:
+    parts = ["<h2>Serving results (attached <code>vllm bench serve</code> files)</h2>"]
+    for result in results:
+        parts.append(f"<p>{html.escape(serving_provenance(result))}</p>")
+        rows = "".join(
+            f"<tr><td>{html.escape(w)}</td><td class='num'>{html.escape(v)}</td>"
+            f"<td><code>{html.escape(k)}</code></td></tr>"
+            for w, v, k in serving_rows(result)
+        )
+        parts.append(
+            f"<table><tr><th>metric</th><th>value</th><th>vLLM key</th></tr>{rows}</table>"
+        )
+    return Markup("".join(parts))
 
 
 def _summary_html(report: dict[str, Any], verdict: str) -> Markup:

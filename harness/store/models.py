@@ -122,6 +122,22 @@ class Report(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class ServingResult(Base):
+    """Serving-engine evidence attached to a submission: a `vllm bench serve --save-result` file
+    (or a `pathgate serving ab` result), kept with its provenance. Append-only, like reports."""
+
+    __tablename__ = "serving_results"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    submission_id: Mapped[int] = mapped_column(ForeignKey("submissions.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(30))  # "vllm_bench_serve"
+    source_name: Mapped[str] = mapped_column(String(255))
+    sha256: Mapped[str] = mapped_column(String(64))
+    attached_by: Mapped[str] = mapped_column(String(100))  # the API token's name
+    data: Mapped[dict[str, Any]]  # provenance and rows, as the importer made them
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class CaseResult(Base):
     __tablename__ = "case_results"
     __table_args__ = (UniqueConstraint("job_id", "case_id"),)

@@ -19,6 +19,7 @@ from harness.store.models import (
     EnvironmentFingerprint,
     Job,
     Report,
+    ServingResult,
     Submission,
     WorkerHeartbeat,
     utcnow,
@@ -167,6 +168,21 @@ def latest_report(session: Session, submission_id: int) -> Report | None:
 
 def reports_of(session: Session, job_ids: Sequence[int]) -> list[Report]:
     return list(session.scalars(select(Report).where(Report.job_id.in_(job_ids))))
+
+
+def add_serving_result(session: Session, result: ServingResult) -> ServingResult:
+    session.add(result)
+    session.flush()
+    return result
+
+
+def serving_results_of(session: Session, submission_id: int) -> list[ServingResult]:
+    query = (
+        select(ServingResult)
+        .where(ServingResult.submission_id == submission_id)
+        .order_by(ServingResult.id)
+    )
+    return list(session.scalars(query))
 
 
 def record_audit(

@@ -3,6 +3,7 @@ error the issue names (422 with field paths, 401, 403, 404, 413, 429)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -277,3 +278,52 @@ def test_combined_verdict_over_jobs_on_different_hardware() -> None:
     failing = load_evidence("cpu_offgrid_fail")
     assert combined_verdict([failing, gpu]) == "FAIL"
     assert combined_verdict([]) == "INCONCLUSIVE"
+
+
+VLLM_RESULT = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_bench_serve_result.json"
+
+
+def test_a_vllm_result_attached_to_a_submission_becomes_evidence_rows(
+    client: TestClient, alice: dict[str, str], bob: dict[str, str]
+) -> None:
+    submission_id = _submit(client, alice)
+    raw = VLLM_RESULT.read_bytes()
+    url = f"/v1/submissions/{submission_id}/serving-results"
+    response = client.post(url, params={"name": "kimi-c1.json"}, content=raw, headers=alice)
+    assert response.status_code == 201, response.text
+    body = response.json()
+    assert body["sha256"] == hashlib.sha256(raw).hexdigest()
+    assert body["attached_by"] == "alice" and body["kind"] == "vllm_bench_serve"
+    provenance = body["data"]["provenance"]
+    assert provenance["file_name"] == "kimi-c1.json" and provenance["backend"]
+    listed = client.get(url, headers=alice).json()
+    assert [r["id"] for r in listed] == [body["id"]]
+    # another contributor can neither see nor attach to it
+    assert client.get(url, headers=bob).status_code == 404
+    assert client.post(url, params={"name": "x.json"}, content=raw, headers=bob).status_code == 404
+    # the submission's report shows the rows with their provenance
+    markdown = client.get(f"/v1/submissions/{submission_id}/report.md", headers=alice).text
+    assert "## Serving results" in markdown and "kimi-c1.json" in markdown
+    assert "tokens_per_s" in markdown and "`output_throughput`" in markdown
+    page = client.get(f"/v1/submissions/{submission_id}/report.html", headers=alice).text
+    assert "Serving results" in page
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "expected one JSON object"),
+        (b'{"date": "20261202-120000"}', "backend"),
+    ],
+    ids=["not-json", "a-list", "missing-fields"],
+)
+def test_a_bad_vllm_result_is_422_and_stores_nothing(
+    client: TestClient, alice: dict[str, str], content: bytes, expected: str
+) -> None:
+    submission_id = _submit(client, alice)
+    url = f"/v1/submissions/{submission_id}/serving-results"
+    response = client.post(url, params={"name": "r.json"}, content=content, headers=alice)
+    assert response.status_code == 422, response.text
+    assert expected in response.text
+    assert client.get(url, headers=alice).json() == []

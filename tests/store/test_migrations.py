@@ -16,6 +16,7 @@ TABLES = {
     "jobs",
     "reports",
     "review_decisions",
+    "serving_results",
     "submissions",
     "webhook_deliveries",
     "worker_heartbeats",

@@ -125,3 +125,33 @@ def test_the_client_waits_for_every_finished_state() -> None:
     from harness.store.models import FINISHED_STATES
 
     assert set(FINISHED_STATES) | {"waiting_for_hardware"} == SETTLED
+
+
+def test_import_vllm_attach_stores_the_file_with_the_submission(server: str) -> None:
+    token = _token()
+    submitted = CliRunner().invoke(
+        app, ["submit", str(SCOPE), "--server", server, "--token", token]
+    )
+    submission_id = int(submitted.output.split()[1].rstrip(":"))
+    result_file = Path(__file__).resolve().parent / "fixtures" / "vllm_bench_serve_result.json"
+    attach = ["--attach", str(submission_id), "--server", server, "--token", token]
+    result = CliRunner().invoke(app, ["serving", "import-vllm", str(result_file), *attach])
+    assert result.exit_code == 0, result.output
+    with session_scope() as session:
+        stored = repo.serving_results_of(session, submission_id)
+    assert [r.source_name for r in stored] == ["vllm_bench_serve_result.json"]
+    refused = CliRunner().invoke(
+        app,
+        [
+            "serving",
+            "import-vllm",
+            str(result_file),
+            "--attach",
+            "999",
+            "--server",
+            server,
+            "--token",
+            token,
+        ],
+    )
+    assert refused.exit_code == 2 and "404" in refused.output

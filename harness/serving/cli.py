@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Annotated
 
+import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -68,19 +69,45 @@ def ab_command(
 def import_vllm_command(
     files: Annotated[list[Path], typer.Argument(help="`vllm bench serve --save-result` files")],
     out: Annotated[Path | None, typer.Option(help="write the rows here (default: stdout)")] = None,
+    attach: Annotated[
+        int | None, typer.Option(help="also attach each file to this submission on --server")
+    ] = None,
+    server: Annotated[str, typer.Option(envvar="PATHGATE_SERVER")] = "http://127.0.0.1:8000",
+    token: Annotated[str, typer.Option(envvar="PATHGATE_TOKEN")] = "",
 ) -> None:
-    """Import vLLM benchmark results as evidence rows with provenance (JSON)."""
+    """Import vLLM benchmark results as evidence rows with provenance (JSON); with --attach,
+    store them with a submission, where its report shows them."""
     try:
         imported = [import_vllm_result(path).to_json() for path in files]
     except VllmResultError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(EXIT_USAGE) from None
+    if attach is not None:
+        _attach(files, attach, server, token)
     text = json.dumps(imported, indent=2, allow_nan=False)
     if out is None:
         typer.echo(text)
     else:
         out.write_text(text)
         console.print(f"{len(imported)} result(s) written to {out}")
+
+
+def _attach(files: list[Path], submission_id: int, server: str, token: str) -> None:
+    """POST each file as it is (its sha256 is the provenance) to the submission."""
+    url = f"{server.rstrip('/')}/v1/submissions/{submission_id}/serving-results"
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    for path in files:
+        try:
+            response = httpx.post(
+                url, params={"name": path.name}, content=path.read_bytes(), headers=headers
+            )
+        except httpx.HTTPError as exc:
+            console.print(f"[red]cannot reach {server}: {exc}[/red]")
+            raise typer.Exit(EXIT_USAGE) from None
+        if response.status_code != 201:
+            console.print(f"[red]{path.name}: {response.status_code}: {response.text[:500]}[/red]")
+            raise typer.Exit(EXIT_USAGE)
+        console.print(f"{path.name}: attached to submission {submission_id}")
 
 
 def _load_or_exit(scope: Path) -> ScopeManifest:

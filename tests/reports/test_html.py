@@ -87,6 +87,7 @@ def test_combined_submission_page_has_each_jobs_report() -> None:
                 "markdown": "# x",
             },
         ],
+        "serving_results": [],
     }
     html = render_combined_html(report)
     assert (

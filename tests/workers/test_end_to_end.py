@@ -24,9 +24,10 @@ from harness.config import Settings
 from harness.store import repositories as repo
 from harness.store.db import session_scope
 from harness.store.migrate import upgrade
-from harness.store.models import CaseResult, Job, Report
+from harness.store.models import FINISHED_STATES, CaseResult, Job, Report
 from tests.service_fixtures import POSTGRES_URL, REDIS_URL, reset_postgres, use_database
 from workers.celery_app import make_celery
+from workers.runner import isolation
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 25
@@ -145,7 +146,7 @@ class Service:
         return self.client.get(f"/v1/submissions/{submission_id}", headers=self.headers).json()
 
     def wait_finished(self, submission_id: int, timeout_s: float = 150) -> dict:
-        finished = {"passed", "failed", "inconclusive", "error", "timed_out"}
+        finished = set(FINISHED_STATES)
         wait_for(
             lambda: self.submission(submission_id)["state"] in finished,
             timeout_s,
@@ -236,15 +237,43 @@ def test_worker_killed_mid_job_the_job_is_redone_and_stored_once(service: Servic
     assert results > 0
 
 
-def test_a_job_that_always_kills_its_worker_ends_failed(service: Service) -> None:
-    service.start_worker("w1")
-    submission_id = service.submit("tests.fixtures.service_paths:kills_worker_forward")
+def test_a_job_that_keeps_ending_its_worker_ends_failed(service: Service) -> None:
+    """Its worker dies under every attempt (as the OOM killer would take it): after three, the
+    job is not retried. The candidate itself cannot do this any more (next test), so the test
+    kills each worker while the job runs on it."""
+    submission_id = service.submit("tests.fixtures.service_paths:hangs_forward")
+    for attempt in (1, 2, 3):
+        worker = service.start_worker(f"w{attempt}")
+        wait_for(
+            lambda attempt=attempt: _running_attempt(service, submission_id) == attempt,
+            90,
+            f"attempt {attempt} to run",
+        )
+        service.kill(worker)
+    service.start_worker("w4")
     body = service.wait_finished(submission_id, timeout_s=180)
     assert body["state"] == "failed", body
     job = body["jobs"][0]
     assert job["attempts"] == 3
     assert "ended its worker 3 times" in job["reason"]
     assert _counts(submission_id)[0] == 0
+
+
+def test_a_candidate_cannot_kill_its_worker(service: Service) -> None:
+    """The child runs in its own PID namespace: the worker is not there to be signalled."""
+    if not isolation().processes:
+        pytest.skip("no PID namespace on this OS: the candidate can reach its worker")
+    worker = service.start_worker("w1")
+    submission_id = service.submit("tests.fixtures.service_paths:kills_worker_forward")
+    body = service.wait_finished(submission_id, timeout_s=120)
+    assert body["state"] == "error", body
+    assert body["jobs"][0]["attempts"] == 1
+    assert worker.poll() is None, "the worker died"
+
+
+def _running_attempt(service: Service, submission_id: int) -> int:
+    job = service.submission(submission_id)["jobs"][0]
+    return int(job["attempts"]) if job["state"] == "running" else 0
 
 
 def test_a_job_that_hangs_is_killed_at_its_limit(service: Service) -> None:

@@ -1,0 +1,765 @@
+"""The fused MLA+MoE decode path on one H200: its kernels one by one, then the layer vs stock.
+
+Part 1, kernels, at the real Kimi-K2 shard sizes (batch 1, 8 and 64; --quick: 1 and 64): each
+CuTe DSL and Triton kernel of kernels/mla_moe_decode/fused.py on its own, against a torch
+reference computed in fp32/fp64 from the same bf16 inputs (max abs and relative error), and its
+time: the median of CUDA-graph replays holding one launch per copy of the operands it streams,
+with enough copies that no launch is served from L2, and the GB/s that gives.
+
+Part 2, the layer: fused vs stock eager vs stock compiled (stock.forward_compiled, the scope's
+baseline) at batch 1, 8, 64 x context 1024, 8192, 32768 (--quick: batch 1 and 64 at 8192). Each
+path is captured into one CUDA graph of 3 layers with distinct weights (3 x 4.3 GB, far past L2)
+and replayed alternately with the compiled stock (the engine's timed_pairs): µs per layer;
+kernels per layer from torch.profiler over one replay; the floor, Problem.floor_bytes of these
+inputs over the measured read bandwidth, and each path's fraction of it; and the fused outputs'
+relative difference to the compiled stock's (`out` may differ by a routing near-tie: see the
+scope's tolerance comment).
+
+Fails soft: a kernel or a path that raises prints its error and the run goes on. Prints a short
+table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check.json).
+
+    python3 benchmarks/mla_moe_device_check.py                  # about 6-8 min on an H200
+    python3 benchmarks/mla_moe_device_check.py --quick          # about 3 min
+    python3 benchmarks/mla_moe_device_check.py --only-kernels   # part 1 only
+    python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
+        test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
+        clock instead of graphs, the eager stock standing in for the compiled one
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+if "--small" in sys.argv:  # before Triton is imported: the CPU runs its kernels interpreted
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness.evaluation.cases import Case
+from harness.evaluation.environment import hbm_bytes_per_s
+from harness.evaluation.profiling import profile_step
+from harness.evaluation.stats import median
+from harness.evaluation.timing import LayerSet, capture_graph, run_layers, timed_pairs
+from kernels.mla_moe_decode import fused, stock
+from kernels.mla_moe_decode.config import LayerConfig
+from kernels.mla_moe_decode.problem import Problem, activated_local_experts
+from kernels.mla_moe_decode.triton_attention import latent_prep, mla_attention, q_absorb, w_uv
+from kernels.mla_moe_decode.triton_gemv import gemv_blocks, splitk_gemv
+from kernels.mla_moe_decode.triton_moe import fused_moe, route
+from kernels.mla_moe_decode.triton_norm import add_rmsnorm
+
+Tensors = dict[str, torch.Tensor]
+BF16 = torch.bfloat16
+LAYERS = 3
+REPLAYS = 20  # kernel timing: graph replays, median
+PAIRS = 30  # layer timing: alternating replay pairs per comparison
+MAX_COPIES = 16
+H200_L2_BYTES = 60 * 2**20
+
+
+@dataclass(frozen=True)
+class Target:
+    device: torch.device
+    small: bool  # CPU smoke run at fused.CPU_TEST_CONFIG
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sm_count(self) -> int:
+        return (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.on_gpu
+            else 0
+        )
+
+
+@dataclass
+class KernelRow:
+    kernel: str
+    language: str
+    batch: int
+    max_abs_error: float | None = None
+    relative_error: float | None = None
+    us: float | None = None
+    gb_per_s: float | None = None
+    note: str = ""
+    error: str | None = None
+
+
+@dataclass
+class LayerRow:
+    batch: int
+    context: int
+    fused_us: float | None = None
+    eager_us: float | None = None
+    compiled_us: float | None = None
+    speedup_vs_compiled: float | None = None
+    kernels_fused: float | None = None
+    kernels_eager: float | None = None
+    kernels_compiled: float | None = None
+    floor_us: float | None = None
+    fused_floor_fraction: float | None = None
+    compiled_floor_fraction: float | None = None
+    active_local_experts: list[int] = field(default_factory=list)
+    fused_vs_compiled: dict[str, float] = field(default_factory=dict)  # relative difference
+    errors: list[str] = field(default_factory=list)
+
+
+# Part 1: kernels.
+
+
+@dataclass
+class KernelCheck:
+    """One kernel at one batch. `run(operands)` launches it on one copy of the operands it
+    streams; `errors()` gives (max abs, relative) of the first copy's run against the torch
+    reference. `copies`: the operand copies the timing rotates over (default: clones of the
+    first, enough that their bytes pass 4x L2)."""
+
+    name: str
+    language: str
+    run: Callable[[Tensors], None]
+    streamed: Tensors
+    bytes_moved: int
+    errors: Callable[[], tuple[float, float]]
+    note: str = ""
+    copies: list[Tensors] | None = None
+
+
+Builder = Callable[[LayerConfig, Tensors, int, torch.Generator, Target], KernelCheck]
+
+
+def kernel_builders() -> list[Builder]:
+    """Every kernel's check; each is built and run on its own, so one that raises is alone."""
+    gemvs = ("fused_qkv_a_proj", "q_b_proj", "o_proj", "gate")
+    return [
+        _check_input_norm,
+        _check_post_norm,
+        *(partial(_check_gemv, name=name) for name in gemvs),
+        _check_latent_prep,
+        _check_q_absorb,
+        *(partial(_check_attention, context=context) for context in (8192, 32768)),
+        _check_w_uv,
+        _check_route,
+        _check_moe,
+    ]
+
+
+def _randn(
+    shape: tuple[int, ...], gen: torch.Generator, t: Target, scale: float = 1.0
+) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen, device=t.device) * scale).to(BF16)
+
+
+def _errors(value: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    diff = value.double() - reference.double()
+    return float(diff.abs().max()), float(diff.norm() / reference.double().norm())
+
+
+def _plan(c: LayerConfig, batch: int, context: int, t: Target) -> fused.LayerPlan:
+    return fused.layer_plan(c, batch, context, t.on_gpu, t.sm_count())
+
+
+def _check_input_norm(
+    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target
+) -> KernelCheck:
+    x, residual = _randn((batch, c.hidden), gen, t, 2.0), _randn((batch, c.hidden), gen, t, 2.0)
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    weight = w["input_layernorm"]
+
+    def run(s: Tensors) -> None:
+        # the CuTe DSL kernel on the GPU; its Triton stand-in in the CPU smoke run
+        fused.input_add_rmsnorm(s["x"], s["residual"], weight, out, residual_out, c.rms_norm_eps)
+
+    def errors() -> tuple[float, float]:
+        expected, summed = stock._add_rms_norm(x, residual, weight, c.rms_norm_eps)
+        assert torch.equal(residual_out, summed.to(BF16)), "residual_out differs from torch"
+        return _errors(out, expected)
+
+    language = "CuTe DSL" if t.on_gpu else "Triton (CPU stand-in)"
+    moved = (4 * batch * c.hidden + c.hidden) * 2
+    streamed = {"x": x, "residual": residual}
+    note = "residual_out bit-exact vs torch"
+    return KernelCheck("input add+RMSNorm", language, run, streamed, moved, errors, note)
+
+
+def _check_post_norm(
+    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target
+) -> KernelCheck:
+    splits = _plan(c, batch, 1024, t).o_proj.splits
+    parts = torch.randn(splits, batch, c.hidden, generator=gen, device=t.device)
+    residual = _randn((batch, c.hidden), gen, t, 2.0)
+    out, residual_out = torch.empty_like(residual), torch.empty_like(residual)
+    weight = w["post_attention_layernorm"]
+
+    def run(s: Tensors) -> None:
+        add_rmsnorm(s["parts"], residual, weight, residual_out, out, c.rms_norm_eps)
+
+    def errors() -> tuple[float, float]:
+        expected, _ = stock._add_rms_norm(parts.sum(0).to(BF16), residual, weight, c.rms_norm_eps)
+        return _errors(out, expected)
+
+    moved = parts.nbytes + (3 * batch * c.hidden + c.hidden) * 2
+    name = f"post add+RMSNorm ({splits} o_proj splits)"
+    return KernelCheck(name, "Triton", run, {"parts": parts}, moved, errors)
+
+
+def _check_gemv(
+    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target, name: str
+) -> KernelCheck:
+    weight = w[name]
+    n, k = weight.shape
+    blocks = gemv_blocks(batch, n, k, t.on_gpu, t.sm_count())
+    x = _randn((batch, k), gen, t)
+    result: Tensors = {}
+
+    def run(s: Tensors) -> None:
+        result["parts"] = splitk_gemv(x, s["weight"], blocks)
+
+    def errors() -> tuple[float, float]:
+        return _errors(result["parts"].sum(0), x.double() @ weight.double().T)
+
+    column_blocks = triton.cdiv(n, blocks.block_n)
+    note = f"{n}x{k}: {column_blocks} column blocks x {blocks.splits} K splits"
+    moved = weight.nbytes + x.nbytes + blocks.splits * batch * n * 4
+    return KernelCheck(f"GEMV {name}", "Triton", run, {"weight": weight}, moved, errors, note)
+
+
+def _rope_f64(x: torch.Tensor, positions: torch.Tensor, c: LayerConfig) -> torch.Tensor:
+    """GPT-J pairs of x (..., R) rotated by exact angles; positions broadcast against x's
+    leading dimensions."""
+    rope = x.shape[-1]
+    exponents = torch.arange(0, rope, 2, dtype=torch.float64, device=x.device) / rope
+    angles = positions.double()[..., None] * c.rope_theta**-exponents
+    even, odd = x.double().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
+
+
+def _check_latent_prep(
+    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target
+) -> KernelCheck:
+    splits = _plan(c, batch, 1024, t).qkv_a.splits
+    width = c.q_lora_rank + c.latent_dim
+    parts = torch.randn(splits, batch, width, generator=gen, device=t.device)
+    positions = torch.randint(1024, 32832, (batch,), generator=gen, device=t.device)
+    turns = fused.rope_turns(t.device, c.qk_rope_head_dim, c.rope_theta)
+    q_c = torch.empty(batch, c.q_lora_rank, dtype=BF16, device=t.device)
+    kv_new = torch.empty(batch, c.latent_dim, dtype=BF16, device=t.device)
+    norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
+
+    def run(s: Tensors) -> None:
+        latent_prep(s["parts"], *norms, positions, turns, q_c, kv_new, c.rms_norm_eps)
+
+    def errors() -> tuple[float, float]:
+        sizes = [c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim]
+        q_a, kv_c, k_pe = parts.sum(0).to(BF16).split(sizes, -1)
+        latent = stock._rms_norm(kv_c, norms[1], c.rms_norm_eps)
+        expected_kv = torch.cat([latent.double(), _rope_f64(k_pe, positions, c)], -1)
+        q_errors = _errors(q_c, stock._rms_norm(q_a, norms[0], c.rms_norm_eps))
+        kv_errors = _errors(kv_new, expected_kv)
+        return max(q_errors[0], kv_errors[0]), max(q_errors[1], kv_errors[1])
+
+    moved = parts.nbytes + q_c.nbytes + kv_new.nbytes
+    return KernelCheck("q/kv norms + RoPE(k)", "Triton", run, {"parts": parts}, moved, errors)
+
+
+def _check_q_absorb(
+    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target
+) -> KernelCheck:
+    plan = _plan(c, batch, 1024, t)
+    heads, nope, rope, lora = c.heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+    width = heads * c.qk_head_dim
+    parts = torch.randn(plan.q_b.splits, batch, width, generator=gen, device=t.device)
+    positions = torch.randint(1024, 32832, (batch,), generator=gen, device=t.device)
+    turns = fused.rope_turns(t.device, rope, c.rope_theta)
+    q_lat = torch.empty(batch, heads, c.latent_dim, dtype=BF16, device=t.device)
+    kv_b = w["kv_b_proj"]
+
+    def run(s: Tensors) -> None:
+        q_absorb(parts, s["kv_b"], positions, turns, q_lat, nope, c.v_head_dim, plan.attention)
+
+    def errors() -> tuple[float, float]:
+        q_nope, q_pe = parts.sum(0).to(BF16).view(batch, heads, -1).split([nope, rope], -1)
+        w_uk = kv_b.view(heads, nope + c.v_head_dim, lora)[:, :nope]
+        absorbed = torch.einsum("bhn,hnl->bhl", q_nope.double(), w_uk.double())
+        return _errors(q_lat, torch.cat([absorbed, _rope_f64(q_pe, positions[:, None], c)], -1))
+
+    moved = kv_b.nbytes // 2 + parts.nbytes + q_lat.nbytes
+    return KernelCheck("q_nope @ W_UK + RoPE(q)", "Triton", run, {"kv_b": kv_b}, moved, errors)
+
+
+def _check_attention(
+    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target, context: int
+) -> KernelCheck:
+    context = min(context, fused.CPU_CONTEXT[1]) if t.small else context
+    plan = _plan(c, batch, context, t).attention
+    q_lat = _randn((batch, c.heads, c.latent_dim), gen, t, 2.0)
+    cache = _randn((batch, context, c.latent_dim), gen, t)
+    kv_new = _randn((batch, c.latent_dim), gen, t)
+    o_lat = torch.empty(batch, c.heads, c.kv_lora_rank, dtype=BF16, device=t.device)
+    scale = c.qk_head_dim**-0.5
+
+    def run(s: Tensors) -> None:
+        mla_attention(q_lat, s["cache"], kv_new, o_lat, scale, plan)
+
+    def errors() -> tuple[float, float]:
+        wide_q, wide_cache, wide_new = (x.float() for x in (q_lat, cache, kv_new))
+        expected = stock._latent_attention(wide_q, wide_cache, wide_new, c.kv_lora_rank, scale)
+        return _errors(o_lat, expected)
+
+    note = f"{plan.splits} context splits of {plan.tokens_per_split} tokens"
+    name = f"MLA split-KV + combine (T={context}, 2 kernels)"
+    return KernelCheck(name, "Triton", run, {"cache": cache}, cache.nbytes, errors, note)
+
+
+def _check_w_uv(
+    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target
+) -> KernelCheck:
+    plan = _plan(c, batch, 1024, t).attention
+    heads, nope, v_dim, lora = c.heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+    o_lat = _randn((batch, heads, lora), gen, t)
+    o = torch.empty(batch, heads * v_dim, dtype=BF16, device=t.device)
+    kv_b = w["kv_b_proj"]
+
+    def run(s: Tensors) -> None:
+        w_uv(o_lat, s["kv_b"], o, nope, plan)
+
+    def errors() -> tuple[float, float]:
+        w_uv_ref = kv_b.view(heads, nope + v_dim, lora)[:, nope:]
+        expected = torch.einsum("bhl,hvl->bhv", o_lat.double(), w_uv_ref.double())
+        return _errors(o, expected.reshape(batch, -1))
+
+    moved = kv_b.nbytes // 2 + o_lat.nbytes + o.nbytes
+    return KernelCheck("o_lat @ W_UV", "Triton", run, {"kv_b": kv_b}, moved, errors)
+
+
+def _check_route(
+    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target
+) -> KernelCheck:
+    splits = _plan(c, batch, 1024, t).router.splits
+    parts = torch.randn(splits, batch, c.experts_total, generator=gen, device=t.device) / 2
+    bias = w["e_score_correction_bias"]
+    result: Tensors = {}
+
+    def run(s: Tensors) -> None:
+        ids, weights = route(s["parts"], bias, c.top_k, c.norm_topk_prob, c.routed_scaling_factor)
+        result.update(ids=ids, weights=weights)
+
+    def errors() -> tuple[float, float]:
+        expected_weights, expected_ids = stock._select_experts(c, parts.sum(0), bias)
+        assert torch.equal(result["ids"].long(), expected_ids), "top-k ids differ from torch's"
+        return _errors(result["weights"], expected_weights)
+
+    name, note = "routing (sigmoid, biased top-k)", "ids equal torch.topk's"
+    return KernelCheck(name, "Triton", run, {"parts": parts}, parts.nbytes, errors, note)
+
+
+def _check_moe(
+    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target
+) -> KernelCheck:
+    """Routing drawn uniformly (each token top_k of all experts; one local expert forced for
+    the first token); each timing copy draws its own, so consecutive launches read different
+    experts, as different layers would."""
+    plan = _plan(c, batch, 1024, t).moe
+    h = _randn((batch, c.hidden), gen, t)
+    routing = torch.rand(batch, c.top_k, generator=gen, device=t.device) / 2
+    out = torch.empty_like(h)
+    experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
+
+    def draw() -> Tensors:
+        rows = [torch.randperm(c.experts_total, generator=gen, device=t.device) for _ in h]
+        ids = torch.stack(rows)[:, : c.top_k].contiguous()
+        forced = torch.randint(c.experts, (1,), generator=gen, device=t.device)
+        ids[0, 0] = c.expert_offset + forced[0]
+        return {"ids": ids.int()}
+
+    copies = [draw() for _ in range(MAX_COPIES if t.on_gpu else 2)]
+
+    def run(s: Tensors) -> None:
+        fused_moe(h, s["ids"], routing, *experts, out, c.expert_offset, plan)
+
+    def errors() -> tuple[float, float]:
+        return _errors(out, _moe_reference(c, w, h, copies[0]["ids"].long(), routing))
+
+    active = [_local_experts(c, copy["ids"]) for copy in copies]
+    per_expert = w["experts_w13"][0].nbytes + w["experts_w2"][0].nbytes
+    shared = w["shared_gate_up"].nbytes + w["shared_down"].nbytes
+    moved = round(median([float(n) for n in active]) * per_expert) + shared
+    note = f"active local experts per launch {min(active)}-{max(active)}"
+    name = "MoE gate_up+SiLU, down+combine (2 kernels)"
+    return KernelCheck(name, "Triton", run, copies[0], moved, errors, note, copies=copies)
+
+
+def _local_experts(c: LayerConfig, ids: torch.Tensor) -> int:
+    local = ids.long() - c.expert_offset
+    return int(local[(local >= 0) & (local < c.experts)].unique().numel())
+
+
+def _moe_reference(
+    c: LayerConfig, w: Tensors, h: torch.Tensor, ids: torch.Tensor, routing: torch.Tensor
+) -> torch.Tensor:
+    """Per (token, local expert) in fp32 with the stock path's bf16 roundings of gate/up and of
+    the activation; the shared expert for every token; summed in fp64."""
+
+    def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        gate, up = (x.float() @ gate_up.float().T).to(BF16).float().chunk(2, -1)
+        act = (gate * torch.sigmoid(gate) * up).to(BF16).float()
+        return (act @ down.float().T).double()
+
+    total = swiglu(h, w["shared_gate_up"], w["shared_down"])
+    local = ids - c.expert_offset
+    for token, slot in ((local >= 0) & (local < c.experts)).nonzero().tolist():
+        expert = int(local[token, slot])
+        down = swiglu(h[token : token + 1], w["experts_w13"][expert], w["experts_w2"][expert])
+        total[token] += float(routing[token, slot]) * down[0]
+    return total
+
+
+def run_kernel_check(check: KernelCheck, batch: int, t: Target) -> KernelRow:
+    row = KernelRow(check.name, check.language, batch, note=check.note)
+    copies = check.copies or _clones(check.streamed, t)
+    check.run(copies[0])
+    _sync(t)
+    row.max_abs_error, row.relative_error = check.errors()
+    row.us = _us_per_launch(check.run, copies, t)
+    row.gb_per_s = check.bytes_moved / (row.us * 1e3)
+    return row
+
+
+def _clones(streamed: Tensors, t: Target) -> list[Tensors]:
+    """The operands and clones of them: together more than 4x L2, so no launch hits L2."""
+    size = max(1, sum(x.nbytes for x in streamed.values()))
+    count = min(MAX_COPIES, max(1, math.ceil(4 * H200_L2_BYTES / size))) if t.on_gpu else 1
+    return [streamed] + [{k: v.clone() for k, v in streamed.items()} for _ in range(count - 1)]
+
+
+def _us_per_launch(run: Callable[[Tensors], None], copies: list[Tensors], t: Target) -> float:
+    """Median over replays of one CUDA graph holding one launch per copy, per launch (host
+    clock of direct calls in the CPU smoke run)."""
+    if not t.on_gpu:
+        started = time.perf_counter()
+        for copy in copies:
+            run(copy)
+        return 1e6 * (time.perf_counter() - started) / len(copies)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture: compilation, first-call setup
+        for copy in copies:
+            run(copy)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for copy in copies:
+            run(copy)
+    times = []
+    for _ in range(REPLAYS + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / len(copies))
+    return median(times[2:])
+
+
+def part_kernels(problem: Problem, batches: list[int], t: Target) -> list[KernelRow]:
+    weights = problem.make_weights(_case(1, 1024, t), 0, t.device)
+    rows = []
+    for batch in batches:
+        gen = torch.Generator(device=t.device).manual_seed(batch)
+        for build in kernel_builders():
+            rows.append(_soft_kernel(build, problem.config, weights, batch, gen, t))
+            _print_kernel_row(rows[-1])
+    del weights
+    _empty_cache(t)
+    return rows
+
+
+def _soft_kernel(
+    build: Builder, c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target
+) -> KernelRow:
+    name = getattr(build, "__name__", None) or getattr(build, "func", build).__name__
+    try:
+        check = build(c, w, batch, gen, t)
+        name = check.name
+        return run_kernel_check(check, batch, t)
+    except Exception as exc:  # fail soft: report and go on
+        _sync(t)
+        return KernelRow(name, "", batch, error=_describe(exc))
+
+
+# Part 2: the layer.
+
+
+def part_layer(
+    problem: Problem, cases: list[tuple[int, int]], read_bw: float, t: Target
+) -> list[LayerRow]:
+    weights = [problem.make_weights(_case(1, 1024, t), seed, t.device) for seed in range(LAYERS)]
+    rows = []
+    for batch, context in cases:
+        row = LayerRow(batch, context)
+        try:
+            _measure_layer(problem, weights, _case(batch, context, t), read_bw, row, t)
+        except Exception as exc:  # fail soft: report and go on
+            row.errors.append(_describe(exc))
+        _sync(t)
+        _empty_cache(t)
+        rows.append(row)
+        _print_layer_row(row)
+    return rows
+
+
+def _measure_layer(
+    problem: Problem, weights: list[Tensors], case: Case, read_bw: float, row: LayerRow, t: Target
+) -> None:
+    inputs = [problem.make_inputs(case, 1000 + layer, t.device) for layer in range(LAYERS)]
+    pairs = list(zip(weights, inputs, strict=True))
+    row.active_local_experts = [
+        len(activated_local_experts(problem.config, w, x)) for w, x in pairs
+    ]
+    floor_bytes = sum(problem.floor_bytes(case, w, x) for w, x in pairs) / LAYERS
+    row.floor_us = 1e6 * floor_bytes / read_bw
+    # the CPU smoke run has no Inductor build: the eager stock stands in for the compiled one
+    compiled = stock.forward_compiled if t.on_gpu else stock.forward
+    paths = {"fused": fused.forward, "eager": stock.forward, "compiled": compiled}
+    steps, outputs = {}, {}
+    for name, fn in paths.items():
+        try:
+            layer_set, outputs[name] = _layers(problem, pairs, case, t)
+            steps[name] = _step(fn, layer_set, t)
+            kernels = profile_step(steps[name], LAYERS, t.device).kernels_per_layer
+            setattr(row, f"kernels_{name}", kernels)
+        except Exception as exc:  # one path failing leaves the others measured
+            row.errors.append(f"{name}: {_describe(exc)}")
+            steps.pop(name, None)
+    _time_paths(steps, row, t)
+    if "fused" in steps and "compiled" in steps:
+        row.fused_vs_compiled = _differences(outputs["fused"], outputs["compiled"])
+
+
+def _layers(
+    problem: Problem, pairs: list[tuple[Tensors, Tensors]], case: Case, t: Target
+) -> tuple[LayerSet, list[Tensors]]:
+    outputs = [problem.make_outputs(case, t.device) for _ in pairs]
+    args = [(w, x, out) for (w, x), out in zip(pairs, outputs, strict=True)]
+    size = sum(x.nbytes for group in args for tensors in group for x in tensors.values())
+    return LayerSet(args, size), outputs
+
+
+def _step(
+    fn: Callable[[Tensors, Tensors, Tensors], None], layer_set: LayerSet, t: Target
+) -> Callable[[], None]:
+    """One call that runs every layer: a graph replay on the GPU, eager calls on the CPU."""
+    if t.on_gpu:
+        return capture_graph(fn, layer_set).replay
+    run_layers(fn, layer_set)
+    return lambda: run_layers(fn, layer_set)
+
+
+def _time_paths(steps: dict[str, Callable[[], None]], row: LayerRow, t: Target) -> None:
+    """Each path alternating with the compiled stock (the baseline), as the engine samples."""
+    if "compiled" not in steps:
+        return
+    count = PAIRS if t.on_gpu else 2
+    compiled_samples: list[float] = []
+    for name in ("fused", "eager"):
+        if name not in steps:
+            continue
+        samples = timed_pairs(steps[name], steps["compiled"], count, t.device)
+        setattr(row, f"{name}_us", median([a for a, _ in samples]) / LAYERS)
+        compiled_samples += [b for _, b in samples]
+    row.compiled_us = median(compiled_samples) / LAYERS if compiled_samples else None
+    if row.fused_us and row.compiled_us and row.floor_us:
+        row.speedup_vs_compiled = row.compiled_us / row.fused_us
+        row.fused_floor_fraction = row.floor_us / row.fused_us
+        row.compiled_floor_fraction = row.floor_us / row.compiled_us
+
+
+def _differences(got: list[Tensors], expected: list[Tensors]) -> dict[str, float]:
+    """Largest relative difference over the layers, per output."""
+    result: dict[str, float] = {}
+    for mine, theirs in zip(got, expected, strict=True):
+        for name, value in mine.items():
+            reference = theirs[name].double()
+            relative = float((value.double() - reference).norm() / reference.norm())
+            result[name] = max(result.get(name, 0.0), relative)
+    return result
+
+
+# Shared helpers and output.
+
+
+def _case(batch: int, context: int, t: Target) -> Case:
+    return Case(
+        batch, context, cp=1, gpus=1, dtype="bfloat16", gpu=fused.GPU_KIND if t.on_gpu else "cpu"
+    )
+
+
+def _sync(t: Target) -> None:
+    if t.on_gpu:
+        torch.cuda.synchronize()
+
+
+def _empty_cache(t: Target) -> None:
+    if t.on_gpu:
+        torch.cuda.empty_cache()
+
+
+def _bandwidths(t: Target) -> tuple[float, float]:
+    """(copy bytes read + written per second, read-only bytes per second of a bf16 sum)."""
+    nbytes = 2**30 if t.on_gpu else 2**26
+    data = torch.ones(nbytes // 2, dtype=BF16, device=t.device)
+    times = []
+    for _ in range(12):
+        started = time.perf_counter()
+        if t.on_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            data.sum(dtype=torch.float32)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            data.sum(dtype=torch.float32)
+            times.append(time.perf_counter() - started)
+    read = nbytes / median(times[2:])
+    return (hbm_bytes_per_s(t.device.index or 0) if t.on_gpu else 2 * read), read
+
+
+def _describe(exc: BaseException) -> str:
+    return traceback.format_exception(exc)[-1].strip()[-600:]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print_kernel_row(row: KernelRow) -> None:
+    if row.error:
+        print(f"  {row.kernel} batch {row.batch}: ERROR {row.error}", flush=True)
+        return
+    print(
+        f"  {row.kernel} [{row.language}] batch {row.batch}: max abs {row.max_abs_error:.3g}, "
+        f"rel {row.relative_error:.3g}, {row.us:.2f} µs, {row.gb_per_s:.0f} GB/s; {row.note}",
+        flush=True,
+    )
+
+
+def _print_layer_row(row: LayerRow) -> None:
+    print(f"  batch {row.batch} context {row.context}: {json.dumps(asdict(row))}", flush=True)
+
+
+def print_tables(kernel_rows: list[KernelRow], layer_rows: list[LayerRow]) -> None:
+    print("\n| kernel | language | batch | max abs err | rel err | µs | GB/s |")
+    print("|---" * 7 + "|")
+    for k in kernel_rows:
+        error = f" ERROR: {k.error[:100]}" if k.error else ""
+        print(
+            f"| {k.kernel} | {k.language} | {k.batch} | {_fmt(k.max_abs_error, '.2g')} "
+            f"| {_fmt(k.relative_error, '.2g')} | {_fmt(k.us, '.2f')} "
+            f"| {_fmt(k.gb_per_s, '.0f')} |{error}"
+        )
+    if not layer_rows:
+        return
+    print(
+        "\n| batch | context | fused µs | eager µs | compiled µs | speedup vs compiled "
+        "| kernels fused / eager / compiled | floor µs | floor / fused | floor / compiled "
+        "| local experts |"
+    )
+    print("|---" * 11 + "|")
+    for r in layer_rows:
+        counts = (r.kernels_fused, r.kernels_eager, r.kernels_compiled)
+        kernels = " / ".join(_fmt(k, ".0f") for k in counts)
+        experts = "/".join(str(n) for n in r.active_local_experts)
+        errors = f" ERRORS: {'; '.join(r.errors)[:200]}" if r.errors else ""
+        print(
+            f"| {r.batch} | {r.context} | {_fmt(r.fused_us, '.1f')} | {_fmt(r.eager_us, '.1f')} "
+            f"| {_fmt(r.compiled_us, '.1f')} | {_fmt(r.speedup_vs_compiled, '.2f')} | {kernels} "
+            f"| {_fmt(r.floor_us, '.1f')} | {_fmt(r.fused_floor_fraction, '.3f')} "
+            f"| {_fmt(r.compiled_floor_fraction, '.3f')} | {experts} |{errors}"
+        )
+
+
+def _environment(t: Target) -> dict[str, str]:
+    environment = {
+        "device": torch.cuda.get_device_name(t.device) if t.on_gpu else "cpu (interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    try:
+        import cutlass
+
+        environment["nvidia-cutlass-dsl"] = str(getattr(cutlass, "__version__", "unknown"))
+    except ImportError as exc:
+        environment["nvidia-cutlass-dsl"] = f"not importable: {exc}"
+    return environment
+
+
+def main() -> None:
+    args = _parse_args()
+    t = Target(torch.device("cpu" if args.small else "cuda"), args.small)
+    started = time.perf_counter()
+    problem = Problem(dict(fused.CPU_TEST_CONFIG) if args.small else {})
+    copy_bw, read_bw = _bandwidths(t)
+    environment = _environment(t)
+    print(f"{environment}; copy {copy_bw / 1e12:.3f} TB/s, read {read_bw / 1e12:.3f} TB/s")
+    batches = [1, 64] if args.quick else [1, 8, 64]
+    print("== part 1: kernels", flush=True)
+    kernel_rows = part_kernels(problem, batches, t)
+    layer_rows: list[LayerRow] = []
+    if not args.only_kernels:
+        contexts = [8192] if args.quick else [1024, 8192, 32768]
+        if args.small:
+            contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
+        print("== part 2: the layer (fused, stock eager, stock compiled)", flush=True)
+        cases = [(batch, context) for batch in batches for context in contexts]
+        layer_rows = part_layer(problem, cases, read_bw, t)
+    elapsed = time.perf_counter() - started
+    result = {
+        "environment": environment,
+        "is_gpu_evidence": t.on_gpu,
+        "copy_bytes_per_s": copy_bw,
+        "read_bytes_per_s": read_bw,
+        "floor_bandwidth": "read_bytes_per_s",
+        "layers_per_graph": LAYERS,
+        "elapsed_s": elapsed,
+        "kernels": [asdict(row) for row in kernel_rows],
+        "layer": [asdict(row) for row in layer_rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out} after {elapsed:.0f} s")
+    print_tables(kernel_rows, layer_rows)
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 8192")
+    parser.add_argument("--only-kernels", action="store_true", help="part 1 only")
+    parser.add_argument("--small", action="store_true", help="CPU smoke run at test sizes")
+    parser.add_argument(
+        "--out", type=Path, default=Path("pathgate-out/benchmarks/mla_moe_device_check.json")
+    )
+    args = parser.parse_args()
+    if not args.small and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (an H200: the fused path's guard accepts no other)")
+    return args
+
+
+if __name__ == "__main__":
+    main()

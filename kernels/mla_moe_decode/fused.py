@@ -1,0 +1,326 @@
+"""Candidate: the fused ("specialized") path for one MLA+MoE decode layer shard, and its guard.
+
+Same contract and numerics class as stock.py (bf16 storage, fp32 accumulation, fp32 router
+logits, the same routing rule), in 14 kernels per layer where the stock path runs dozens:
+
+     1  input residual add + RMSNorm                          CuTe DSL   cute_kernels.add_rmsnorm
+     2  fused_qkv_a_proj GEMV (q_a | kv_a stacked), split-K   Triton     triton_gemv
+     3  q_a_layernorm, kv_a_layernorm, RoPE(k_pe) -> kv_new   Triton     triton_attention
+     4  q_b_proj GEMV, split-K                                Triton     triton_gemv
+     5  q_nope @ W_UK, RoPE(q_pe) -> latent query (B,H,576)   Triton     triton_attention
+     6  split-KV latent attention (MQA over the cache)        Triton     triton_attention
+     7  log-sum-exp combine of the splits + the new token     Triton     triton_attention
+     8  o_lat @ W_UV per head                                 Triton     triton_attention
+     9  o_proj GEMV, split-K                                  Triton     triton_gemv
+    10  post-attention residual add + RMSNorm (o_proj splits) Triton     triton_norm
+    11  router GEMV (fp32 logits), split-K                    Triton     triton_gemv
+    12  routing: sigmoid, biased top-k, weights               Triton     triton_moe
+    13  experts gate_up + SiLU*mul, active experts only       Triton     triton_moe
+    14  experts down + routing weights + shared expert sum    Triton     triton_moe
+
+Every weight byte is read once (the experts only where some token chose them, decided on the
+device from the routing table), nothing synchronizes with the host, and no kernel uses atomics:
+two runs give the same bits. Split-K partial sums are added, in order, by the kernel that
+consumes them.
+
+`supports` is the dispatch guard; `forward` re-checks the same scope on the tensors and runs
+`stock.forward_compiled` (the manifest's baseline) outside it, so out of scope the result is the
+baseline's exactly. Two architectures are in scope: the real Kimi-K2 TP8/EP8 shard on an H200,
+and CPU_TEST_CONFIG on the CPU, where the same kernels run under Triton's interpreter (the CuTe
+DSL step then runs as its Triton stand-in). On a GPU without nvidia-cutlass-dsl `forward` raises
+CuteUnavailableError rather than run the stand-in.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+
+import torch
+import triton
+
+from harness.evaluation.cases import Case
+from kernels.mla_moe_decode import cute_kernels, stock
+from kernels.mla_moe_decode.config import LayerConfig
+from kernels.mla_moe_decode.triton_attention import (
+    AttentionBlocks,
+    latent_prep,
+    mla_attention,
+    q_absorb,
+    w_uv,
+)
+from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
+from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe
+from kernels.mla_moe_decode.triton_moe import route as route_experts
+from kernels.mla_moe_decode.triton_norm import add_rmsnorm
+
+Tensors = dict[str, torch.Tensor]
+MAX_BATCH = 64
+GPU_CONTEXT = (1024, 32768)
+GPU_KIND = "H200"
+# The small layer the CPU tests run under the interpreter: every size a masked tail somewhere
+# (hidden 320, q_lora 96, moe_intermediate 96, top_k 6 are not powers of two), rank 2 so a path
+# that assumes rank 0 fails.
+CPU_TEST_CONFIG = MappingProxyType(
+    {
+        "hidden": 320,
+        "heads": 2,
+        "q_lora_rank": 96,
+        "kv_lora_rank": 64,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "experts": 8,
+        "experts_total": 64,
+        "top_k": 6,
+        "moe_intermediate": 96,
+        "shared_intermediate": 32,
+        "rank": 2,
+    }
+)
+CPU_CONTEXT = (1, 256)
+# Free in the guard: they change values, not shapes or the kernels' control flow.
+_FREE_FIELDS = ("routed_scaling_factor", "norm_topk_prob", "rms_norm_eps", "rope_theta", "rank")
+
+
+def _architecture(c: LayerConfig) -> tuple[object, ...]:
+    """The numbers the kernels are built for: every shape, and ungrouped routing (Kimi-K2's
+    n_group = topk_group = 1; the routing kernel has no group limit)."""
+    return tuple(getattr(c, f.name) for f in fields(c) if f.name not in _FREE_FIELDS)
+
+
+_GPU_ARCH = _architecture(LayerConfig())
+_CPU_ARCH = _architecture(LayerConfig.from_model_config(CPU_TEST_CONFIG))
+
+
+def supports(case: Case) -> bool:
+    """In scope: bf16, batch 1..64, cp 1, one GPU, and either the real shard's architecture on an
+    H200 with context 1024..32768, or CPU_TEST_CONFIG on the CPU with context 1..256."""
+    try:
+        config = LayerConfig.from_model_config(case.config)
+    except (ValueError, TypeError):
+        return False
+    target = _target(case.gpu)
+    if target is None or case.context is None:
+        return False
+    architecture, (low, high) = target
+    return (
+        _architecture(config) == architecture
+        and case.dtype == "bfloat16"
+        and 1 <= case.batch <= MAX_BATCH
+        and low <= case.context <= high
+        and case.cp == 1
+        and case.gpus == 1
+    )
+
+
+def _target(gpu: str) -> tuple[tuple[object, ...], tuple[int, int]] | None:
+    if gpu == GPU_KIND:
+        return _GPU_ARCH, GPU_CONTEXT
+    if gpu == "cpu":
+        return _CPU_ARCH, CPU_CONTEXT
+    return None
+
+
+def forward(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
+    """The stock contract: x, residual (B, hidden); kv_cache (B, T, L+R); positions (B,) ->
+    out, residual_out (B, hidden), kv_new (B, L+R). Fused kernels in scope, the compiled stock
+    path (the baseline) outside it."""
+    config = LayerConfig.from_tensor(weights["config"])
+    if not _in_scope(config, weights, inputs, out):
+        stock.forward_compiled(weights, inputs, out)
+        return
+    _fused_layer(config, weights, inputs, out)
+
+
+def _in_scope(config: LayerConfig, weights: Tensors, inputs: Tensors, out: Tensors) -> bool:
+    """`supports` read off the tensors: the device kind stands for case.gpu."""
+    x, cache = inputs["x"], inputs["kv_cache"]
+    target = _target(_device_kind(x.device))
+    if target is None:
+        return False
+    architecture, (low, high) = target
+    tensors = [t for name, t in weights.items() if name != "config"]
+    tensors += [*inputs.values(), *out.values()]
+    return (
+        _architecture(config) == architecture
+        and x.dtype == torch.bfloat16
+        and 1 <= x.shape[0] <= MAX_BATCH
+        and low <= cache.shape[1] <= high
+        and all(t.is_contiguous() and t.device == x.device for t in tensors)
+    )
+
+
+def _device_kind(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        return GPU_KIND if GPU_KIND in _cuda_name(device.index) else "other"
+    return "other"
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+# The plan: every kernel's tiles for one (architecture, batch, context), on GPU or CPU.
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    qkv_a: GemvBlocks
+    q_b: GemvBlocks
+    o_proj: GemvBlocks
+    router: GemvBlocks
+    attention: AttentionBlocks
+    moe: MoeBlocks
+
+
+@functools.lru_cache(maxsize=1024)
+def layer_plan(c: LayerConfig, batch: int, context: int, on_gpu: bool, sm_count: int) -> LayerPlan:
+    def gemv(n: int, k: int) -> GemvBlocks:
+        return gemv_blocks(batch, n, k, on_gpu, sm_count)
+
+    return LayerPlan(
+        qkv_a=gemv(c.q_lora_rank + c.latent_dim, c.hidden),
+        q_b=gemv(c.heads * c.qk_head_dim, c.q_lora_rank),
+        o_proj=gemv(c.hidden, c.heads * c.v_head_dim),
+        router=gemv(c.experts_total, c.hidden),
+        attention=_attention_blocks(c, batch, context, on_gpu, sm_count),
+        moe=_moe_blocks(batch, on_gpu),
+    )
+
+
+def _attention_blocks(
+    c: LayerConfig, batch: int, context: int, on_gpu: bool, sm_count: int
+) -> AttentionBlocks:
+    block_m = max(16, triton.next_power_of_2(batch))
+    block_h = max(16, triton.next_power_of_2(c.heads))
+    if on_gpu:
+        # Split the context until every SM has about two (token, split) programs, but keep at
+        # least two 32-token tiles per split; the combine then reads splits x 2 KB per head.
+        block_t = 32
+        splits = min(triton.cdiv(2 * sm_count, batch), triton.cdiv(context, 2 * block_t))
+        tokens = triton.cdiv(triton.cdiv(context, splits), block_t) * block_t
+        return AttentionBlocks(
+            block_m, block_h, block_t, triton.cdiv(context, tokens), tokens,
+            combine_heads=1, combine_splits=32, combine_cols=128, absorb_cols=64, uv_cols=32,
+            split_warps=4, split_stages=2,
+        )  # fmt: skip
+    # The interpreter pays per program and per op: few, large programs, but still two context
+    # splits and a two-step merge loop, so the CPU tests run every path of the GPU's kernels.
+    lora = triton.next_power_of_2(c.kv_lora_rank)
+    tokens = triton.cdiv(triton.cdiv(context, 2), 32) * 32
+    return AttentionBlocks(
+        block_m, block_h, 32, triton.cdiv(context, tokens), tokens,
+        combine_heads=triton.next_power_of_2(c.heads), combine_splits=1, combine_cols=lora,
+        absorb_cols=lora // 2, uv_cols=32, split_warps=4, split_stages=1,
+    )  # fmt: skip
+
+
+def _moe_blocks(batch: int, on_gpu: bool) -> MoeBlocks:
+    block_m = max(16, triton.next_power_of_2(batch))
+    if not on_gpu:
+        return MoeBlocks(block_m, 64, 128, 128, 64, num_warps=4, num_stages=1)
+    if batch <= 16:
+        # Few experts are active: 8 features (16 weight rows) per gate_up program gives 256
+        # programs per active expert, about two per SM even when one token picks one expert.
+        return MoeBlocks(block_m, 8, 256, 16, 256, num_warps=4, num_stages=4)
+    # Wider activation tiles (64 rows) at large batch: shorter K steps keep shared memory down.
+    return MoeBlocks(block_m, 16, 128, 16, 128, num_warps=4, num_stages=3)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=16)
+def rope_turns(device: torch.device, rope_dim: int, theta: float) -> torch.Tensor:
+    """(R/2,) fp64: each rotary frequency theta^(-2i/R) in turns per position (divided by 2 pi).
+    A constant of the architecture, built on the first call (before any graph capture)."""
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim
+    return (theta**-exponents / (2 * torch.pi)).to(device)
+
+
+# The layer.
+
+
+def route(weights: Tensors, inputs: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts `forward` picks for these inputs, as stock.route returns them: weights
+    (B, top_k) float32 and global ids (B, top_k) int64. Runs kernels 1-12 of the layer."""
+    config = LayerConfig.from_tensor(weights["config"])
+    x = inputs["x"]
+    scratch = {
+        "out": torch.empty_like(x),
+        "residual_out": torch.empty_like(x),
+        "kv_new": x.new_empty(x.shape[0], config.latent_dim),
+    }
+    if not _in_scope(config, weights, inputs, scratch):
+        return stock.route(weights, inputs)
+    _, ids, routing = _attention_and_routing(config, weights, inputs, scratch)
+    return routing, ids.long()
+
+
+def _fused_layer(c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors) -> None:
+    moe_in, ids, routing = _attention_and_routing(c, w, inputs, out)
+    experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
+    plan = _plan(c, moe_in, inputs["kv_cache"].shape[1])
+    fused_moe(moe_in, ids, routing, *experts, out["out"], c.expert_offset, plan.moe)
+
+
+def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
+    on_gpu = x.is_cuda
+    return layer_plan(c, x.shape[0], context, on_gpu, _sm_count(x.device.index) if on_gpu else 0)
+
+
+def _attention_and_routing(
+    c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernels 1-12: writes out["kv_new"] and out["residual_out"]; returns the MoE input
+    (B, hidden) bf16, the routing ids (B, top_k) int32 and weights (B, top_k) fp32."""
+    x, positions, cache = inputs["x"], inputs["positions"], inputs["kv_cache"]
+    batch, eps = x.shape[0], c.rms_norm_eps
+    plan = _plan(c, x, cache.shape[1])
+    turns = rope_turns(x.device, c.qk_rope_head_dim, c.rope_theta)
+    hidden, residual = torch.empty_like(x), torch.empty_like(x)
+    input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, residual, eps)
+    qkv_a = splitk_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a)
+    q_c = x.new_empty(batch, c.q_lora_rank)
+    norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
+    latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps)
+    q = splitk_gemv(q_c, w["q_b_proj"], plan.q_b)
+    q_lat = x.new_empty(batch, c.heads, c.latent_dim)
+    nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
+    q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention)
+    o_lat = x.new_empty(batch, c.heads, c.kv_lora_rank)
+    scale = c.qk_head_dim**-0.5  # the stock softmax scale (YaRN's mscale left out, as there)
+    mla_attention(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention)
+    o = x.new_empty(batch, c.heads * v_dim)
+    w_uv(o_lat, w["kv_b_proj"], o, nope, plan.attention)
+    attn = splitk_gemv(o, w["o_proj"], plan.o_proj)
+    moe_in = torch.empty_like(x)
+    add_rmsnorm(attn, residual, w["post_attention_layernorm"], out["residual_out"], moe_in, eps)
+    logits = splitk_gemv(moe_in, w["gate"], plan.router)
+    bias, scaling = w["e_score_correction_bias"], c.routed_scaling_factor
+    ids, routing = route_experts(logits, bias, c.top_k, c.norm_topk_prob, scaling)
+    return moe_in, ids, routing
+
+
+def input_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    residual_out: torch.Tensor,
+    eps: float,
+) -> None:
+    """Kernel 1. On the GPU the CuTe DSL kernel (raises CuteUnavailableError without it).
+    CPU STAND-IN: under the interpreter (CPU tensors) the Triton add+RMSNorm of triton_norm with x
+    as its single "split" computes the same function; no GPU run ever takes this branch."""
+    if x.is_cuda:
+        cute_kernels.add_rmsnorm(x, residual, weight, out, residual_out, eps)
+    else:
+        add_rmsnorm(x[None], residual, weight, residual_out, out, eps)

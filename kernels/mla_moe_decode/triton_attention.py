@@ -1,0 +1,508 @@
+"""The MLA half of the fused decode layer in Triton: everything between fused_qkv_a_proj's GEMV
+and o_proj's GEMV. Shapes: B tokens, H heads, Q = q_lora_rank, L = kv_lora_rank, R = rope dim,
+N = nope dim, V = v dim; the cache row is L + R wide (latent | roped key).
+
+    latent_prep   fused_qkv_a partials -> q_a_layernorm(q_c) (B, Q) and
+                  kv_new = [kv_a_layernorm(kv_c), rope(k_pe)] (B, L+R).  program per token
+    q_absorb      q_b partials -> q_lat = [q_nope @ W_UK, rope(q_pe)] (B, H, L+R).
+                                                                  program per (head, L block)
+    mla_split     split-KV attention over the cache, all heads per program (MQA over the
+                  latent: one read of a cached token serves every head) -> per split its
+                  running max, sum and unnormalized output.  program per (token, context split)
+    mla_combine   merges the splits by their log-sum-exp and adds the new token
+                  -> o_lat (B, H, L).          program per (token, head block, L block)
+    w_uv          o = o_lat @ W_UV per head -> (B, H*V), o_proj's input.
+                                                                  program per (head, V block)
+
+Precision follows the stock path: every value the stock path stores in bf16 (GEMM outputs,
+normalized and rotated vectors, the absorbed query, o_lat, o) is rounded to bf16 here at the same
+point; scores, softmax statistics and accumulators are fp32; probabilities are rounded to bf16
+before they multiply the bf16 cache (as FlashMLA and the stock path do). Softmax uses exp2 with
+log2(e) folded into the scale. RoPE angles are reduced in fp64 (triton_common.rotate_pairs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.mla_moe_decode.triton_common import (
+    mma,
+    rms_normalize,
+    rotate_pairs,
+    round_bf16,
+    round_bf16_f32,
+    rows_per_program,
+    sum_splits,
+)
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class AttentionBlocks:
+    block_m: int  # >= batch (and >= 16 on the GPU: MMA rows)
+    block_h: int  # >= heads (and >= 16 on the GPU)
+    block_t: int  # cached tokens per tile of the split kernel
+    splits: int  # context splits (programs per token)
+    tokens_per_split: int  # a multiple of block_t
+    combine_heads: int  # heads per combine program
+    combine_splits: int  # splits merged per step of the combine loop
+    combine_cols: int  # latent columns per combine program
+    absorb_cols: int  # latent columns per q_absorb program
+    uv_cols: int  # V columns per w_uv program
+    split_warps: int
+    split_stages: int
+
+
+# fused_qkv_a partial sums -> q_a_layernorm(q_c), kv_new
+
+
+@triton.jit
+def _latent_prep_kernel(
+    part_ptr,  # (splits, B, Q + L + R) fp32: fused_qkv_a_proj partial sums
+    q_norm_ptr,  # (Q,) bf16: q_a_layernorm
+    kv_norm_ptr,  # (L,) bf16: kv_a_layernorm
+    positions_ptr,  # (B,) int64
+    turns_ptr,  # (R/2,) fp64: rope frequency / (2 pi)
+    q_c_ptr,  # (B, Q) bf16 out
+    kv_new_ptr,  # (B, L + R) bf16 out
+    n_splits,
+    split_stride,
+    B,
+    Q,
+    L,
+    R,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_HALF_R: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = (rows < B)[:, None]  # (ROWS, 1)
+    base = rows[:, None] * (Q + L + R)  # (ROWS, 1)
+    qs = tl.arange(0, BLOCK_Q)
+    q_mask = row_mask & (qs < Q)[None, :]
+    q_c = sum_splits(part_ptr, base + qs[None, :], q_mask, n_splits, split_stride)
+    q_weight = tl.load(q_norm_ptr + qs, mask=qs < Q, other=0.0).to(tl.float32)
+    q_c = rms_normalize(round_bf16_f32(q_c), Q, eps, q_weight[None, :])
+    tl.store(q_c_ptr + rows[:, None] * Q + qs[None, :], q_c, mask=q_mask)
+
+    out_row = kv_new_ptr + rows[:, None] * (L + R)  # (ROWS, 1)
+    ls = tl.arange(0, BLOCK_L)
+    l_mask = row_mask & (ls < L)[None, :]
+    kv_c = sum_splits(part_ptr, base + Q + ls[None, :], l_mask, n_splits, split_stride)
+    kv_weight = tl.load(kv_norm_ptr + ls, mask=ls < L, other=0.0).to(tl.float32)
+    kv_c = rms_normalize(round_bf16_f32(kv_c), L, eps, kv_weight[None, :])
+    tl.store(out_row + ls[None, :], kv_c, mask=l_mask)
+
+    pairs = tl.arange(0, BLOCK_HALF_R)
+    pair_mask = row_mask & (pairs < R // 2)[None, :]
+    even_at = base + Q + L + 2 * pairs[None, :]
+    even = round_bf16_f32(sum_splits(part_ptr, even_at, pair_mask, n_splits, split_stride))
+    odd = round_bf16_f32(sum_splits(part_ptr, even_at + 1, pair_mask, n_splits, split_stride))
+    positions = tl.load(positions_ptr + rows, mask=rows < B, other=0).to(tl.float64)
+    freqs = tl.load(turns_ptr + pairs, mask=pairs < R // 2, other=0.0)
+    even, odd = rotate_pairs(even, odd, positions[:, None] * freqs[None, :])
+    tl.store(out_row + L + 2 * pairs[None, :], round_bf16(even), mask=pair_mask)
+    tl.store(out_row + L + 2 * pairs[None, :] + 1, round_bf16(odd), mask=pair_mask)
+
+
+def latent_prep(
+    parts: torch.Tensor,
+    q_norm: torch.Tensor,
+    kv_norm: torch.Tensor,
+    positions: torch.Tensor,
+    turns: torch.Tensor,
+    q_c: torch.Tensor,
+    kv_new: torch.Tensor,
+    eps: float,
+) -> None:
+    """parts (splits, B, Q+L+R) fp32 -> q_c (B, Q) and kv_new (B, L+R), both bf16."""
+    n_splits, batch, _ = parts.shape
+    q_rank, lora = q_c.shape[1], kv_norm.shape[0]
+    rope = kv_new.shape[1] - lora
+    rows = rows_per_program(batch, parts.is_cuda)
+    _latent_prep_kernel[(triton.cdiv(batch, rows),)](
+        parts,
+        q_norm,
+        kv_norm,
+        positions,
+        turns,
+        q_c,
+        kv_new,
+        n_splits,
+        parts.stride(0),
+        batch,
+        q_rank,
+        lora,
+        rope,
+        eps,
+        ROWS=rows,
+        BLOCK_Q=triton.next_power_of_2(q_rank),
+        BLOCK_L=triton.next_power_of_2(lora),
+        BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
+        num_warps=4,
+    )
+
+
+# q_b partial sums -> absorbed, roped query
+
+
+@triton.jit
+def _q_absorb_kernel(
+    part_ptr,  # (splits, B, H * (N + R)) fp32: q_b_proj partial sums
+    kv_b_ptr,  # (H * (N + V), L) bf16: per head [W_UK (N rows); W_UV (V rows)]
+    positions_ptr,  # (B,) int64
+    turns_ptr,  # (R/2,) fp64
+    q_lat_ptr,  # (B, H, L + R) bf16 out
+    n_splits,
+    split_stride,
+    B,
+    H,
+    NOPE,
+    R,
+    V,
+    L,
+    BLOCK_M: tl.constexpr,
+    BLOCK_NOPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_HALF_R: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    head = tl.program_id(0)
+    col_block = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < B
+    q_row = rows[:, None] * (H * (NOPE + R)) + head * (NOPE + R)  # (BLOCK_M, 1)
+    ns = tl.arange(0, BLOCK_NOPE)
+    nope_mask = row_mask[:, None] & (ns < NOPE)[None, :]
+    q_nope = sum_splits(part_ptr, q_row + ns[None, :], nope_mask, n_splits, split_stride)
+    q_nope = round_bf16(q_nope)  # (BLOCK_M, BLOCK_NOPE): q_b_proj's bf16 output
+    ls = col_block * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_mask = ls < L
+    w_uk = tl.load(
+        kv_b_ptr + (head * (NOPE + V) + ns)[:, None] * L + ls[None, :],
+        mask=(ns < NOPE)[:, None] & l_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_NOPE, BLOCK_L)
+    absorbed = mma(q_nope, w_uk, tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32), DOT_F32)
+    out_row = q_lat_ptr + rows[:, None] * (H * (L + R)) + head * (L + R)  # (BLOCK_M, 1)
+    tl.store(out_row + ls[None, :], round_bf16(absorbed), mask=row_mask[:, None] & l_mask[None, :])
+    if col_block == 0:
+        pairs = tl.arange(0, BLOCK_HALF_R)
+        pair_mask = row_mask[:, None] & (pairs < R // 2)[None, :]
+        even_at = q_row + NOPE + 2 * pairs[None, :]
+        even = round_bf16_f32(sum_splits(part_ptr, even_at, pair_mask, n_splits, split_stride))
+        odd = round_bf16_f32(sum_splits(part_ptr, even_at + 1, pair_mask, n_splits, split_stride))
+        positions = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.float64)
+        freqs = tl.load(turns_ptr + pairs, mask=pairs < R // 2, other=0.0)
+        even, odd = rotate_pairs(even, odd, positions[:, None] * freqs[None, :])
+        pe_at = out_row + L + 2 * pairs[None, :]
+        tl.store(pe_at, round_bf16(even), mask=pair_mask)
+        tl.store(pe_at + 1, round_bf16(odd), mask=pair_mask)
+
+
+def q_absorb(
+    parts: torch.Tensor,
+    kv_b_proj: torch.Tensor,
+    positions: torch.Tensor,
+    turns: torch.Tensor,
+    q_lat: torch.Tensor,
+    nope: int,
+    v_dim: int,
+    blocks: AttentionBlocks,
+) -> None:
+    """parts (splits, B, H*(N+R)) fp32 -> q_lat (B, H, L+R) bf16."""
+    n_splits, batch, _ = parts.shape
+    _, heads, width = q_lat.shape
+    lora = kv_b_proj.shape[1]
+    rope = width - lora
+    grid = (heads, triton.cdiv(lora, blocks.absorb_cols))
+    _q_absorb_kernel[grid](
+        parts,
+        kv_b_proj,
+        positions,
+        turns,
+        q_lat,
+        n_splits,
+        parts.stride(0),
+        batch,
+        heads,
+        nope,
+        rope,
+        v_dim,
+        lora,
+        BLOCK_M=blocks.block_m,
+        BLOCK_NOPE=triton.next_power_of_2(nope),
+        BLOCK_L=blocks.absorb_cols,
+        BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
+        DOT_F32=not parts.is_cuda,
+        num_warps=4,
+    )
+
+
+# split-KV latent attention
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_lat_ptr,  # (B, H, L + R) bf16
+    cache_ptr,  # (B, T, L + R) bf16
+    max_ptr,  # (B, S, H) fp32 out: running max of the scaled log2 scores
+    sum_ptr,  # (B, S, H) fp32 out: sum of exp2(score - max)
+    acc_ptr,  # (B, S, H, L) fp32 out: sum of bf16(exp2(score - max)) * latent
+    T,
+    H,
+    L,
+    R,
+    tokens_per_split,
+    scale_log2,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    width = L + R
+    heads = tl.arange(0, BLOCK_H)
+    head_mask = heads < H
+    ls = tl.arange(0, BLOCK_L)
+    l_mask = ls < L
+    rs = tl.arange(0, BLOCK_R)
+    r_mask = rs < R
+    q_row = q_lat_ptr + row * H * width + heads[:, None] * width  # (BLOCK_H, 1)
+    q_latent = tl.load(q_row + ls[None, :], mask=head_mask[:, None] & l_mask[None, :], other=0.0)
+    q_rope = tl.load(q_row + L + rs[None, :], mask=head_mask[:, None] & r_mask[None, :], other=0.0)
+    cache_row = cache_ptr + row.to(tl.int64) * T * width
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, T)
+    running_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
+    for tile in range(start, end, BLOCK_T):
+        tokens = tile + tl.arange(0, BLOCK_T)
+        t_mask = tokens < end
+        token_at = cache_row + tokens[:, None] * width  # (BLOCK_T, 1)
+        k_latent = tl.load(
+            token_at + ls[None, :], mask=t_mask[:, None] & l_mask[None, :], other=0.0
+        )
+        k_rope = tl.load(
+            token_at + L + rs[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0
+        )
+        scores = mma(
+            q_latent, tl.trans(k_latent), tl.zeros((BLOCK_H, BLOCK_T), tl.float32), DOT_F32
+        )
+        scores = mma(q_rope, tl.trans(k_rope), scores, DOT_F32) * scale_log2  # (BLOCK_H, BLOCK_T)
+        scores = tl.where(t_mask[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        acc = mma(round_bf16(probs), k_latent, acc * rescale[:, None], DOT_F32)
+        running_max = new_max
+    stat_at = (row * n_splits + split) * H + heads
+    tl.store(max_ptr + stat_at, running_max, mask=head_mask)
+    tl.store(sum_ptr + stat_at, running_sum, mask=head_mask)
+    acc_at = acc_ptr + stat_at[:, None] * L + ls[None, :]
+    tl.store(acc_at, acc, mask=head_mask[:, None] & l_mask[None, :])
+
+
+@triton.jit
+def _mla_combine_kernel(
+    max_ptr,  # (B, S, H) fp32
+    sum_ptr,  # (B, S, H) fp32
+    acc_ptr,  # (B, S, H, L) fp32
+    q_lat_ptr,  # (B, H, L + R) bf16
+    kv_new_ptr,  # (B, L + R) bf16
+    o_ptr,  # (B, H, L) bf16 out
+    n_splits,
+    H,
+    L,
+    R,
+    scale_log2,
+    HEADS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_SC: tl.constexpr,
+    BLOCK_LC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # (HEADS,)
+    head_mask = heads < H
+    col_block = tl.program_id(2)
+    width = L + R
+    ds = tl.arange(0, BLOCK_D)
+    d_mask = ds < width
+    q = tl.load(
+        q_lat_ptr + (row * H + heads)[:, None] * width + ds[None, :],
+        mask=head_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # (HEADS, BLOCK_D)
+    k_new = tl.load(kv_new_ptr + row * width + ds, mask=d_mask, other=0.0).to(tl.float32)
+    score_new = tl.sum(q * k_new[None, :], axis=1) * scale_log2  # (HEADS,)
+    splits = tl.arange(0, BLOCK_S)
+    stat_at = (row * n_splits + splits)[:, None] * H + heads[None, :]  # (BLOCK_S, HEADS)
+    stat_mask = (splits < n_splits)[:, None] & head_mask[None, :]
+    split_max = tl.load(max_ptr + stat_at, mask=stat_mask, other=float("-inf"))
+    split_sum = tl.load(sum_ptr + stat_at, mask=stat_mask, other=0.0)
+    total_max = tl.maximum(tl.max(split_max, axis=0), score_new)  # (HEADS,)
+    weight_new = tl.exp2(score_new - total_max)
+    total = tl.sum(tl.exp2(split_max - total_max[None, :]) * split_sum, axis=0) + weight_new
+    ls = col_block * BLOCK_LC + tl.arange(0, BLOCK_LC)
+    l_mask = ls < L
+    out = tl.zeros((HEADS, BLOCK_LC), dtype=tl.float32)
+    for first in range(0, n_splits, BLOCK_SC):
+        chunk = first + tl.arange(0, BLOCK_SC)
+        chunk_at = (row * n_splits + chunk)[:, None] * H + heads[None, :]  # (BLOCK_SC, HEADS)
+        chunk_mask = (chunk < n_splits)[:, None] & head_mask[None, :]
+        chunk_max = tl.load(max_ptr + chunk_at, mask=chunk_mask, other=float("-inf"))
+        partial = tl.load(
+            acc_ptr + chunk_at[:, :, None] * L + ls[None, None, :],
+            mask=chunk_mask[:, :, None] & l_mask[None, None, :],
+            other=0.0,
+        )  # (BLOCK_SC, HEADS, BLOCK_LC)
+        rescale = tl.exp2(chunk_max - total_max[None, :])  # (BLOCK_SC, HEADS)
+        out += tl.sum(rescale[:, :, None] * partial, axis=0)
+    latent_new = tl.load(kv_new_ptr + row * width + ls, mask=l_mask, other=0.0).to(tl.float32)
+    out = (out + weight_new[:, None] * latent_new[None, :]) / total[:, None]
+    out_at = o_ptr + (row * H + heads)[:, None] * L + ls[None, :]
+    tl.store(out_at, round_bf16(out), mask=head_mask[:, None] & l_mask[None, :])
+
+
+def mla_attention(
+    q_lat: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_new: torch.Tensor,
+    o_lat: torch.Tensor,
+    scale: float,
+    blocks: AttentionBlocks,
+) -> None:
+    """q_lat (B, H, L+R), kv_cache (B, T, L+R), kv_new (B, L+R) bf16 -> o_lat (B, H, L) bf16:
+    softmax(q . [cache; new] * scale) @ [cache; new][:, :L], the split kernel then the combine."""
+    batch, heads, width = q_lat.shape
+    lora = o_lat.shape[2]
+    context = kv_cache.shape[1]
+    splits = blocks.splits
+    stats = torch.empty(2, batch, splits, heads, device=q_lat.device, dtype=torch.float32)
+    partial = torch.empty(batch, splits, heads, lora, device=q_lat.device, dtype=torch.float32)
+    scale_log2 = scale * LOG2E
+    _mla_split_kernel[(batch, splits)](
+        q_lat,
+        kv_cache,
+        stats[0],
+        stats[1],
+        partial,
+        context,
+        heads,
+        lora,
+        width - lora,
+        blocks.tokens_per_split,
+        scale_log2,
+        BLOCK_H=blocks.block_h,
+        BLOCK_T=blocks.block_t,
+        BLOCK_L=triton.next_power_of_2(lora),
+        BLOCK_R=triton.next_power_of_2(width - lora),
+        DOT_F32=not q_lat.is_cuda,
+        num_warps=blocks.split_warps,
+        num_stages=blocks.split_stages,
+    )
+    combine_grid = (
+        batch,
+        triton.cdiv(heads, blocks.combine_heads),
+        triton.cdiv(lora, blocks.combine_cols),
+    )
+    _mla_combine_kernel[combine_grid](
+        stats[0],
+        stats[1],
+        partial,
+        q_lat,
+        kv_new,
+        o_lat,
+        splits,
+        heads,
+        lora,
+        width - lora,
+        scale_log2,
+        HEADS=blocks.combine_heads,
+        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_SC=blocks.combine_splits,
+        BLOCK_LC=blocks.combine_cols,
+        BLOCK_D=triton.next_power_of_2(width),
+        num_warps=4,
+    )
+
+
+# o = o_lat @ W_UV per head
+
+
+@triton.jit
+def _w_uv_kernel(
+    o_lat_ptr,  # (B, H, L) bf16
+    kv_b_ptr,  # (H * (N + V), L) bf16
+    o_ptr,  # (B, H * V) bf16 out
+    B,
+    H,
+    NOPE,
+    V,
+    L,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    head = tl.program_id(0)
+    col_block = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < B
+    vs = col_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_mask = vs < V
+    w_rows = kv_b_ptr + (head * (NOPE + V) + NOPE + vs)[:, None] * L  # (BLOCK_V, 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
+    for first in range(0, L, BLOCK_K):
+        ks = first + tl.arange(0, BLOCK_K)
+        k_mask = ks < L
+        o_lat = tl.load(
+            o_lat_ptr + (rows[:, None] * H + head) * L + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_K)
+        w_uv = tl.load(w_rows + ks[None, :], mask=v_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = mma(o_lat, tl.trans(w_uv), acc, DOT_F32)
+    out_at = o_ptr + rows[:, None] * (H * V) + head * V + vs[None, :]
+    tl.store(out_at, round_bf16(acc), mask=row_mask[:, None] & v_mask[None, :])
+
+
+def w_uv(
+    o_lat: torch.Tensor,
+    kv_b_proj: torch.Tensor,
+    o: torch.Tensor,
+    nope: int,
+    blocks: AttentionBlocks,
+) -> None:
+    """o_lat (B, H, L) bf16 -> o (B, H*V) bf16, each head through its W_UV (V, L)."""
+    batch, heads, lora = o_lat.shape
+    v_dim = o.shape[1] // heads
+    _w_uv_kernel[(heads, triton.cdiv(v_dim, blocks.uv_cols))](
+        o_lat,
+        kv_b_proj,
+        o,
+        batch,
+        heads,
+        nope,
+        v_dim,
+        lora,
+        BLOCK_M=blocks.block_m,
+        BLOCK_V=blocks.uv_cols,
+        BLOCK_K=min(128, triton.next_power_of_2(lora)),
+        DOT_F32=not o_lat.is_cuda,
+        num_warps=4,
+    )

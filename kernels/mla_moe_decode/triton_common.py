@@ -1,0 +1,84 @@
+"""Device helpers shared by the fused path's Triton kernels.
+
+- `round_bf16` / `round_bf16_f32`: float32 -> bfloat16 round-to-nearest-even done on the bits.
+  The GPU's conversion already rounds to nearest; Triton's CPU interpreter truncates, which would
+  double the rounding error there. Rounding explicitly gives the same bits on both.
+- `mma`: `tl.dot` with a float32 accumulator. The interpreter (Triton 3.9) returns garbage for
+  bf16 operands, so there (`DOT_F32`) the operands are widened first: bf16 x bf16 products are
+  exact in fp32, so the result is the same class of number (fp32 accumulation of exact products).
+- `sum_splits`: the deterministic reduction of split-K partial sums, in split order.
+- `rms_normalize`, `rotate_pairs`: the stock path's RMSNorm and GPT-J RoPE, same roundings.
+- `rows_per_program` (host side): how many token rows the row-wise kernels give a program.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_bf16_f32(x):
+    """fp32 -> the nearest bf16 value (ties to even), still held in fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> bf16, round to nearest even (the conversion of an exact bf16 value is exact).
+    The bit trick is repeated rather than calling round_bf16_f32: the interpreter re-patches
+    triton.language on every device-function call, which dominates its run time."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def mma(a, b, acc, DOT_F32: tl.constexpr):
+    """acc + a @ b in fp32; a (M, K), b (K, N) in bf16."""
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def sum_splits(ptr, offsets, mask, n_splits, split_stride):
+    """sum over s < n_splits of ptr[s * split_stride + offsets] in fp32, in split order (the
+    split-K GEMVs write partials instead of using atomics, so results do not vary run to run)."""
+    total = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    for split in range(1, n_splits):
+        total += tl.load(ptr + split * split_stride + offsets, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
+def rms_normalize(x, n, eps, weight):
+    """x (..., BLOCK) fp32 with masked lanes 0, weight (BLOCK,) fp32 -> bf16 rmsnorm(x) * weight
+    over the last axis, rounded before the weight as the stock (vLLM native) RMSNorm does."""
+    mean_square = tl.sum(x * x, axis=-1, keep_dims=True) / n
+    normed = round_bf16_f32(x * tl.rsqrt(mean_square + eps))
+    return round_bf16(normed * weight)
+
+
+@triton.jit
+def rotate_pairs(even, odd, turns):
+    """Rotate pairs (even, odd) by 2*pi*turns; turns fp64 = position * frequency / (2*pi).
+
+    Only the fraction of a turn matters, and it is taken in fp64: at positions near 3e4 an fp32
+    angle is off by ~2e-3 rad (the stock path's fp32 angles are), fp64 keeps it at ~1e-7.
+    Positions are >= 0, so truncation is the floor.
+    """
+    fraction = turns - turns.to(tl.int64).to(tl.float64)
+    angle = fraction.to(tl.float32) * 6.283185307179586
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    return even * cos - odd * sin, odd * cos + even * sin
+
+
+def rows_per_program(batch: int, on_gpu: bool) -> int:
+    """Token rows per program of the row-wise kernels: one on the GPU (B programs, each a full
+    row in registers); on the CPU up to 16, because the interpreter pays per program."""
+    return 1 if on_gpu else min(16, triton.next_power_of_2(batch))

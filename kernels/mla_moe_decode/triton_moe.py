@@ -1,0 +1,385 @@
+"""Routing and the small-batch fused MoE of the fused decode layer, in Triton.
+
+    route     router partial sums -> logits (fp32) -> sigmoid scores; the top_k of
+              score + correction bias (the bias steers the choice only), weights = the chosen
+              unbiased scores, normalized, x routed_scaling_factor.     one program per token
+    gate_up   program (expert e, intermediate block j): the tokens that chose e (read from the
+              routing table on the device), h2 @ [gate; up]_e rows of block j, SiLU(gate) * up
+              -> act[token, slot of e, block j]. Programs of an expert no token chose return
+              at once: their weights are never read. Expert index E is the shared expert (every
+              token, slot top_k, its own narrower intermediate size).
+    down      program (hidden block n) owns out[:, block n]: it walks the local experts in
+              order, and for each one some token chose adds weight * (act @ down_e[block n].T)
+              for those tokens; then the shared expert with weight 1. One program per output
+              tile and a fixed order: deterministic, no atomics, no partial buffers.
+
+Tokens are never gathered or sorted: a program loads all B (<= 64) rows with a mask that keeps
+only the tokens that chose its expert; masked rows move no memory, they cost MMA issue slots
+only. Weights of experts routed to other GPUs' experts are normalized with the rest (as the stock
+path does) and then simply never match a local expert.
+Precision: router logits fp32; gate/up outputs rounded to bf16 and SiLU-and-mul computed in fp32
+and rounded once (as the stock path's grouped GEMM and SiluAndMul); the down projections, the
+routing weights and the expert sum stay fp32 until the single final rounding (the stock path
+rounds each expert's output and the routed sum too: this is at least as accurate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.mla_moe_decode.triton_common import (
+    mma,
+    round_bf16,
+    round_bf16_f32,
+    rows_per_program,
+    sum_splits,
+)
+
+
+@dataclass(frozen=True)
+class MoeBlocks:
+    block_m: int  # >= batch (>= 16 on the GPU)
+    gate_up_cols: int  # intermediate features per gate_up program (it reads 2x that many rows)
+    gate_up_k: int  # hidden columns per gate_up pipeline step
+    down_cols: int  # hidden outputs per down program
+    down_k: int  # intermediate columns per down pipeline step
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _route_kernel(
+    part_ptr,  # (splits, B, E_total) fp32: router partial sums
+    bias_ptr,  # (E_total,) fp32: e_score_correction_bias
+    ids_ptr,  # (B, TOP_K) int32 out: global expert ids
+    weights_ptr,  # (B, TOP_K) fp32 out
+    n_splits,
+    split_stride,
+    B,
+    E_TOTAL,
+    scaling,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < B
+    experts = tl.arange(0, BLOCK_E)
+    e_mask = experts < E_TOTAL
+    logit_at = rows[:, None] * E_TOTAL + experts[None, :]  # (ROWS, BLOCK_E)
+    logits = sum_splits(
+        part_ptr, logit_at, row_mask[:, None] & e_mask[None, :], n_splits, split_stride
+    )
+    scores = 1.0 / (1.0 + tl.exp(-logits))
+    bias = tl.load(bias_ptr + experts, mask=e_mask, other=0.0)
+    choice = tl.where(e_mask[None, :], scores + bias[None, :], float("-inf"))
+    slots = tl.arange(0, BLOCK_K)[None, :]  # (1, BLOCK_K)
+    ids = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
+    weights = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=1)  # (ROWS,): the first of equal maxima
+        picked = experts[None, :] == best[:, None]  # (ROWS, BLOCK_E)
+        weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)  # the unbiased score
+        ids = tl.where(slots == slot, best[:, None], ids)
+        weights = tl.where(slots == slot, weight[:, None], weights)
+        choice = tl.where(picked, float("-inf"), choice)
+    if NORMALIZE:
+        weights = weights / tl.sum(weights, axis=1, keep_dims=True)
+    weights = weights * scaling
+    out_at = rows[:, None] * TOP_K + slots
+    out_mask = row_mask[:, None] & (slots < TOP_K)
+    tl.store(ids_ptr + out_at, ids, mask=out_mask)
+    tl.store(weights_ptr + out_at, weights, mask=out_mask)
+
+
+def route(
+    parts: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """parts (splits, B, E_total) fp32 -> (ids (B, top_k) int32 global, weights (B, top_k) fp32)."""
+    n_splits, batch, experts_total = parts.shape
+    ids = torch.empty(batch, top_k, device=parts.device, dtype=torch.int32)
+    weights = torch.empty(batch, top_k, device=parts.device, dtype=torch.float32)
+    rows = rows_per_program(batch, parts.is_cuda)
+    _route_kernel[(triton.cdiv(batch, rows),)](
+        parts,
+        bias,
+        ids,
+        weights,
+        n_splits,
+        parts.stride(0),
+        batch,
+        experts_total,
+        scaling,
+        TOP_K=top_k,
+        NORMALIZE=normalize,
+        ROWS=rows,
+        BLOCK_E=triton.next_power_of_2(experts_total),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4,
+    )
+    return ids, weights
+
+
+@triton.jit
+def _routing_table(ids_ptr, rows, row_mask, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_M, BLOCK_K) int32: each row's global expert ids, -1 in padding."""
+    slots = tl.arange(0, BLOCK_K)
+    return tl.load(
+        ids_ptr + rows[:, None] * TOP_K + slots[None, :],
+        mask=row_mask[:, None] & (slots < TOP_K)[None, :],
+        other=-1,
+    )
+
+
+@triton.jit
+def _choosers(table, expert_id, BLOCK_K: tl.constexpr):
+    """Which rows of the routing table chose one global expert id: (chosen (BLOCK_M,) bool,
+    slot (BLOCK_M,) int32 where it sits in the row, match (BLOCK_M, BLOCK_K) bool)."""
+    slots = tl.arange(0, BLOCK_K)
+    match = table == expert_id
+    chosen = tl.max(match.to(tl.int32), axis=1) > 0
+    slot = tl.sum(tl.where(match, slots[None, :], 0), axis=1)
+    return chosen, slot, match
+
+
+@triton.jit
+def _gate_up_kernel(
+    h_ptr,  # (B, D) bf16: post_attention_layernorm output
+    ids_ptr,  # (B, TOP_K) int32
+    w13_ptr,  # (E, 2 INTER, D) bf16: [gate; up] per local expert
+    shared_ptr,  # (2 I_S, D) bf16: the shared expert's [gate; up]
+    act_ptr,  # (B, TOP_K + 1, INTER) bf16 out: slot TOP_K is the shared expert's
+    B,
+    D,
+    INTER,
+    I_SHARED,
+    E,
+    expert_offset,
+    TOP_K: tl.constexpr,
+    BLOCK_K_SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    expert = tl.program_id(0)
+    col_block = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < B
+    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
+    chosen, slot, _ = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
+    is_shared = expert == E
+    chosen = tl.where(is_shared, row_mask, chosen)
+    slot = tl.where(is_shared, TOP_K, slot)
+    inter = tl.where(is_shared, I_SHARED, INTER)
+    w_base = tl.where(is_shared, shared_ptr, w13_ptr + expert.to(tl.int64) * 2 * INTER * D)
+    if (tl.sum(chosen.to(tl.int32), axis=0) > 0) & (col_block * BLOCK_I < inter):
+        # Weight rows interleaved [gate f, up f, gate f+1, up f+1, ...]: one MMA computes both,
+        # and a reshape + split separates them.
+        pair = tl.arange(0, 2 * BLOCK_I)
+        feature = col_block * BLOCK_I + pair // 2
+        w_rows = w_base + ((pair % 2) * inter + feature)[:, None] * D  # (2 BLOCK_I, 1)
+        f_mask = feature < inter
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_I), dtype=tl.float32)
+        for first in range(0, D, BLOCK_K):
+            ks = first + tl.arange(0, BLOCK_K)
+            k_mask = ks < D
+            h = tl.load(
+                h_ptr + rows[:, None] * D + ks[None, :],
+                mask=chosen[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_K): rows of tokens that did not choose this expert stay 0
+            w = tl.load(w_rows + ks[None, :], mask=f_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = mma(h, tl.trans(w), acc, DOT_F32)  # (BLOCK_M, 2 BLOCK_I)
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_I, 2)))
+        gate = round_bf16_f32(gate)  # the grouped GEMM's bf16 output, as in the stock path
+        up = round_bf16_f32(up)
+        act = round_bf16(gate / (1.0 + tl.exp(-gate)) * up)
+        cols = col_block * BLOCK_I + tl.arange(0, BLOCK_I)
+        out_at = act_ptr + (rows * (TOP_K + 1) + slot)[:, None] * INTER + cols[None, :]
+        tl.store(out_at, act, mask=chosen[:, None] & (cols < inter)[None, :])
+
+
+@triton.jit
+def _down_tile(
+    act_ptr,
+    rows,
+    slot,
+    chosen,
+    w_ptr,  # (D, inter) bf16: this expert's down projection
+    inter,
+    INTER,
+    cols,
+    col_mask,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """(BLOCK_M, BLOCK_N) fp32: act[row, slot] @ w[cols].T for chosen rows, 0 for the rest."""
+    act_rows = act_ptr + (rows * (TOP_K + 1) + slot)[:, None] * INTER  # (BLOCK_M, 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for first in range(0, inter, BLOCK_K):
+        ks = first + tl.arange(0, BLOCK_K)
+        k_mask = ks < inter
+        act = tl.load(act_rows + ks[None, :], mask=chosen[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(
+            w_ptr + cols[:, None] * inter + ks[None, :],
+            mask=col_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_K)
+        acc = mma(act, tl.trans(w), acc, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,  # (B, TOP_K + 1, INTER) bf16
+    ids_ptr,  # (B, TOP_K) int32
+    weights_ptr,  # (B, TOP_K) fp32
+    w2_ptr,  # (E, D, INTER) bf16
+    shared_ptr,  # (D, I_S) bf16
+    out_ptr,  # (B, D) bf16 out
+    B,
+    D,
+    INTER,
+    I_SHARED,
+    E,
+    expert_offset,
+    TOP_K: tl.constexpr,
+    BLOCK_K_SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    col_block = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < B
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < D
+    slots = tl.arange(0, BLOCK_K_SLOTS)
+    routing_weights = tl.load(
+        weights_ptr + rows[:, None] * TOP_K + slots[None, :],
+        mask=row_mask[:, None] & (slots < TOP_K)[None, :],
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_K_SLOTS)
+    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)  # read once
+    out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for expert in range(0, E):
+        chosen, slot, match = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
+        if tl.sum(chosen.to(tl.int32), axis=0) > 0:
+            w_expert = w2_ptr + (expert * D).to(tl.int64) * INTER  # int64: E * D * I is large
+            down = _down_tile(
+                act_ptr,
+                rows,
+                slot,
+                chosen,
+                w_expert,
+                INTER,
+                INTER,
+                cols,
+                col_mask,
+                TOP_K,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                DOT_F32,
+            )
+            weight = tl.sum(tl.where(match, routing_weights, 0.0), axis=1)  # (BLOCK_M,)
+            out += down * weight[:, None]
+    shared_slot = tl.zeros((BLOCK_M,), dtype=tl.int32) + TOP_K
+    out += _down_tile(
+        act_ptr,
+        rows,
+        shared_slot,
+        row_mask,
+        shared_ptr,
+        I_SHARED,
+        INTER,
+        cols,
+        col_mask,
+        TOP_K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        DOT_F32,
+    )
+    out_at = out_ptr + rows[:, None] * D + cols[None, :]
+    tl.store(out_at, round_bf16(out), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def fused_moe(
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    routing_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+    out: torch.Tensor,
+    expert_offset: int,
+    blocks: MoeBlocks,
+) -> None:
+    """h (B, D) bf16; ids (B, top_k) int32 global; routing_weights (B, top_k) fp32;
+    w13 (E, 2I, D), w2 (E, D, I), shared_gate_up (2 I_S, D), shared_down (D, I_S) bf16
+    -> out (B, D) bf16: the sum over the chosen local experts of weight * SwiGLU_e(h), plus
+    SwiGLU_shared(h)."""
+    batch, hidden = h.shape
+    experts, inter2, _ = w13.shape
+    inter, shared_inter = inter2 // 2, shared_down.shape[1]
+    top_k = ids.shape[1]
+    act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
+    common = dict(
+        TOP_K=top_k,
+        BLOCK_K_SLOTS=triton.next_power_of_2(top_k),
+        BLOCK_M=blocks.block_m,
+        DOT_F32=not h.is_cuda,
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
+    gate_up_grid = (experts + 1, triton.cdiv(max(inter, shared_inter), blocks.gate_up_cols))
+    _gate_up_kernel[gate_up_grid](
+        h,
+        ids,
+        w13,
+        shared_gate_up,
+        act,
+        batch,
+        hidden,
+        inter,
+        shared_inter,
+        experts,
+        expert_offset,
+        BLOCK_I=blocks.gate_up_cols,
+        BLOCK_K=blocks.gate_up_k,
+        **common,
+    )
+    _down_kernel[(triton.cdiv(hidden, blocks.down_cols),)](
+        act,
+        ids,
+        routing_weights,
+        w2,
+        shared_down,
+        out,
+        batch,
+        hidden,
+        inter,
+        shared_inter,
+        experts,
+        expert_offset,
+        BLOCK_N=blocks.down_cols,
+        BLOCK_K=blocks.down_k,
+        **common,
+    )

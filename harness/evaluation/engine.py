@@ -314,7 +314,12 @@ def measure_case(
     timing = sample_interleaved(stock_steps, candidate_steps, layer_set, device, stop, seed)
     refresh_inputs(path, case, layer_set, derive_seed(seed, "after timing"), device)
     stale = replay_mismatches(
-        stock_steps, candidate_steps, layer_set, device, manifest.tolerance.min_cosine
+        stock_steps,
+        candidate_steps,
+        layer_set,
+        device,
+        manifest.tolerance.min_cosine,
+        path.problem,
     )
     stock_profile = profile_step(stock_steps[0], timing.layers, device)
     candidate_profile = profile_step(candidate_steps[0], timing.layers, device)
@@ -394,6 +399,8 @@ def _correctness_evidence(result: correctness_mod.CorrectnessResult) -> Correctn
             seed=t.seed,
             reasons=t.reasons,
             outputs=[OutputErrorEvidence(**vars(o)) for o in t.outputs],
+            excluded_rows=t.excluded_rows,
+            notes=t.notes,
         )
         for t in result.trials
     ]

@@ -42,6 +42,9 @@ class TrialEvidence(Model):
     seed: int
     outputs: list[OutputErrorEvidence]
     reasons: list[str]
+    # rows of an output left out of its error as near-tie decisions (the problem's hook)
+    excluded_rows: dict[str, int] = {}
+    notes: list[str] = []
 
 
 class CorrectnessEvidence(Model):

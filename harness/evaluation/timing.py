@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.evaluation.cases import Case
-from harness.evaluation.correctness import REFERENCE_DTYPE, cosine_similarity
+from harness.evaluation.correctness import REFERENCE_DTYPE, comparable_rows, cosine_similarity
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.plan import derive_seed
 from harness.evaluation.stats import median, speedup_ci95
@@ -261,19 +261,22 @@ def replay_mismatches(
     layer_set: LayerSet,
     device: torch.device,
     min_cosine: float,
+    problem: object = None,
 ) -> list[str]:
     """Each candidate capture replayed into NaN-poisoned outputs against one stock replay on
     the same inputs: every output written, finite, and as close to the stock's as correctness
-    demands (cosine). The first disagreement per capture is reported."""
+    demands (cosine; rows the problem calls near-tie decisions left out, as in correctness).
+    The first disagreement per capture is reported."""
     expected = _replayed_outputs(stock[0], layer_set, device)
+    keeps = [comparable_rows(problem, w, i) for w, i, _ in layer_set.args]
     reasons = []
     for index, step in enumerate(candidate):
         got = _replayed_outputs(step, layer_set, device)
-        problem = _first_disagreement(got, expected, min_cosine)
-        if problem:
+        problem_text = _first_disagreement(got, expected, min_cosine, keeps)
+        if problem_text:
             reasons.append(
                 f"after the timed runs, on fresh inputs, capture {index} of the candidate "
-                f"{problem}: outputs cached, or work left outside the timed step"
+                f"{problem_text}: outputs cached, or work left outside the timed step"
             )
     return reasons
 
@@ -291,13 +294,21 @@ def _replayed_outputs(
 
 
 def _first_disagreement(
-    got: list[Tensors], expected: list[Tensors], min_cosine: float
+    got: list[Tensors],
+    expected: list[Tensors],
+    min_cosine: float,
+    keeps: list[dict[str, torch.Tensor]],
 ) -> str | None:
-    for layer, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+    for layer, (mine, theirs, keep) in enumerate(zip(got, expected, keeps, strict=True)):
         for name, value in mine.items():
             if not bool(value.isfinite().all()):
                 return f"left layer {layer}'s '{name}' unwritten or non-finite"
-            cosine = cosine_similarity(value, theirs[name].to(REFERENCE_DTYPE))
+            rows = keep.get(name)
+            if rows is not None:
+                value, reference = value[rows], theirs[name][rows]
+            else:
+                reference = theirs[name]
+            cosine = cosine_similarity(value, reference.to(REFERENCE_DTYPE))
             if not cosine >= min_cosine:
                 return (
                     f"gave layer {layer}'s '{name}' a cosine of {cosine:.4f} to the stock "

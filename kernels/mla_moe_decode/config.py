@@ -39,6 +39,9 @@ class LayerConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 50000.0
     rank: int = 0  # this GPU's EP rank: its experts are [rank * experts, (rank + 1) * experts)
+    # Tokens whose biased expert scores (float64) sit within this of the top-k boundary, with a
+    # local expert among them, are near-tie decisions: Problem.ambiguous_rows. 0: none.
+    routing_tie_margin: float = 0.0
 
     def __post_init__(self) -> None:
         problems = _inconsistencies(self)

@@ -101,6 +101,32 @@ class Problem:
         outputs = sum(t.nbytes for t in self.make_outputs(case, torch.device("meta")).values())
         return dense + active * per_expert + inputs["kv_cache"].nbytes + small + outputs
 
+    def ambiguous_rows(self, weights: Tensors, inputs: Tensors) -> dict[str, torch.Tensor]:
+        """Tokens of `out` whose local expert set hangs on a near-tie: in float64, two or more
+        experts score within routing_tie_margin of the top-k boundary and one of them is local
+        (another GPU's expert contributes nothing here). Two correct bf16 paths may route such a
+        token differently, moving its output by a whole expert; the harness leaves these rows out
+        of the error (at most 10% of them) and records how many."""
+        c = self.config
+        if c.routing_tie_margin <= 0:
+            return {}
+        # only what the router needs, upcast: the experts' gigabytes stay as they are
+        upcast = {
+            name: t.double()
+            if t.is_floating_point() and not name.startswith(("experts_", "shared_"))
+            else t
+            for name, t in weights.items()
+        }
+        choice = stock.expert_choice(
+            upcast, {n: t.double() if t.is_floating_point() else t for n, t in inputs.items()}
+        )
+        top = choice.topk(c.top_k + 1, dim=-1).values
+        boundary = (top[:, c.top_k - 1] + top[:, c.top_k]) / 2
+        near = (choice - boundary[:, None]).abs() < c.routing_tie_margin
+        local = torch.zeros(c.experts_total, dtype=torch.bool, device=choice.device)
+        local[c.expert_offset : c.expert_offset + c.experts] = True
+        return {"out": (near.sum(-1) >= 2) & (near & local).any(-1)}
+
     # Decode-stack hooks: one layer's persistent state across decode steps.
 
     def decode_state(self, case: Case, seed: int, device: torch.device) -> Tensors:

@@ -82,6 +82,18 @@ def route(weights: Tensors, inputs: Tensors) -> tuple[torch.Tensor, torch.Tensor
     return _select_experts(config, logits, weights["e_score_correction_bias"])
 
 
+def expert_choice(weights: Tensors, inputs: Tensors) -> torch.Tensor:
+    """The biased scores `forward` ranks experts by (group limit applied), (B, experts_total),
+    computed by the same code; called on float64 copies to find near-tie decisions."""
+    config = LayerConfig.from_tensor(weights["config"])
+    kv_new = inputs["x"].new_empty(inputs["x"].shape[0], config.latent_dim)
+    hidden, _ = _attention_block(config, weights, inputs, kv_new)
+    choice = _mm_fp32(hidden, weights["gate"].T).sigmoid() + weights["e_score_correction_bias"]
+    if config.n_group > 1:
+        choice = _keep_top_groups(choice, config.n_group, config.topk_group)
+    return choice
+
+
 def uses_grouped_mm(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16
 

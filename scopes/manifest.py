@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,13 +23,9 @@ from scopes.engine import EngineSpec
 
 KNOWN_GPUS = ("H100", "H200", "B200", "GB200", "GB300", "MI300X", "cpu")
 GpuKind = Literal["H100", "H200", "B200", "GB200", "GB300", "MI300X", "cpu"]
-Metric = Literal[
-    "speedup",
-    "latency_us",
-    "kernels_per_layer",
+# Judged by the engine-level A/B (harness/serving/ab.py), never by a layer benchmark.
+ServingMetric = Literal[
     "tokens_per_s",
-    "hbm_fraction",
-    # judged by the engine-level A/B (harness/serving/ab.py), never by a layer benchmark
     "ttft_ms",
     "tpot_ms",
     "interactivity_p90",
@@ -38,16 +34,9 @@ Metric = Literal[
     "tokens_per_s_gain",
     "interactivity_p90_gain",
 ]
-SERVING_METRICS = (
-    "tokens_per_s",
-    "ttft_ms",
-    "tpot_ms",
-    "interactivity_p90",
-    "request_throughput",
-    "acceptance_length",
-    "tokens_per_s_gain",
-    "interactivity_p90_gain",
-)
+SERVING_METRICS: tuple[str, ...] = get_args(ServingMetric)
+LayerMetric = Literal["speedup", "latency_us", "kernels_per_layer", "hbm_fraction"]
+Metric = Literal[LayerMetric, ServingMetric]  # nested Literals flatten into one
 Dtype = Literal["bfloat16", "float16", "float32"]
 WHERE_KEYS = ("batch", "context", "cp", "gpus")
 

@@ -88,17 +88,7 @@ def run_decode_check(
     path: LoadedPath, case: Case, settings: ModelCheck, seed: int, device: torch.device
 ) -> DecodeCheckEvidence:
     """The check on one case; a candidate that raises is a crashed check, never an exception."""
-    evidence = DecodeCheckEvidence(
-        case=case.id,
-        layers=settings.layers,
-        steps=settings.steps,
-        prompts=case.batch,
-        vocab=settings.vocab,
-        min_token_match=settings.min_token_match,
-        max_mean_kl=settings.max_mean_kl,
-        status="not_run",
-        reasons=[],
-    )
+    evidence = _evidence(settings, case.id, case.batch, [])
     model = build_model(path, case, settings, seed, device)
     try:
         stock = decode(path.baseline, path, case, model, settings.steps, forced=None)
@@ -214,14 +204,21 @@ def _first_false(column: torch.Tensor) -> int | None:
 
 def not_run(manifest: ScopeManifest, why: str) -> DecodeCheckEvidence:
     settings = manifest.model_check
+    return _evidence(settings, "", settings.prompts, [why])
+
+
+def _evidence(
+    settings: ModelCheck, case_id: str, prompts: int, reasons: list[str]
+) -> DecodeCheckEvidence:
+    """A check not (yet) run: its settings, no measurements."""
     return DecodeCheckEvidence(
-        case="",
+        case=case_id,
         layers=settings.layers,
         steps=settings.steps,
-        prompts=settings.prompts,
+        prompts=prompts,
         vocab=settings.vocab,
         min_token_match=settings.min_token_match,
         max_mean_kl=settings.max_mean_kl,
         status="not_run",
-        reasons=[why],
+        reasons=reasons,
     )

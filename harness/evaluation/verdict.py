@@ -29,6 +29,26 @@ FAILING_CASE_STATUSES = {"failed", "crashed", "unsupported", "timed_out"}
 REVIEW_SPEEDUP_ABOVE = 10.0
 
 
+def claim_evidence(
+    claim: Claim,
+    status: ClaimStatus,
+    reason: str,
+    measured: float | None = None,
+    ci95: tuple[float, float] | None = None,
+    ids: list[str] | None = None,
+) -> ClaimEvidence:
+    """One judged claim, as evidence (layer claims here, serving claims in harness/serving)."""
+    return ClaimEvidence(
+        claim=claim.model_dump(exclude_defaults=True),
+        description=claim.describe(),
+        status=status,
+        measured=measured,
+        ci95=ci95,
+        cases=ids or [],
+        reason=reason,
+    )
+
+
 def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> ClaimEvidence:
     def result(
         status: ClaimStatus,
@@ -37,15 +57,7 @@ def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> Claim
         ci95: tuple[float, float] | None = None,
         ids: list[str] | None = None,
     ) -> ClaimEvidence:
-        return ClaimEvidence(
-            claim=claim.model_dump(exclude_defaults=True),
-            description=claim.describe(),
-            status=status,
-            measured=measured,
-            ci95=ci95,
-            cases=ids or [],
-            reason=reason,
-        )
+        return claim_evidence(claim, status, reason, measured, ci95, ids)
 
     if claim.hardware and claim.hardware != host_gpu:
         return result("not_measurable", f"needs {claim.hardware}; this run was on {host_gpu}")
@@ -61,7 +73,7 @@ def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> Claim
         return result("not_measurable", "no measured case matches its `where`")
     per_case = [(c.id, *_metric(claim, c.performance)) for c in selected if c.performance]
     statuses = [
-        (_status(claim, low, high), case_id, value, (low, high))
+        (interval_status(claim, low, high), case_id, value, (low, high))
         for case_id, value, low, high in per_case
     ]
     ids = [case_id for case_id, *_ in per_case]
@@ -76,7 +88,7 @@ def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> Claim
                 ci,
                 ids,
             )
-    worst = min(statuses, key=lambda s: _margin(claim, s[3]))
+    worst = min(statuses, key=lambda s: interval_margin(claim, s[3]))
     return result(
         "verified",
         f"all {len(statuses)} selected cases meet it; closest {worst[1]}: "
@@ -115,7 +127,8 @@ def _metric(claim: Claim, perf: PerformanceEvidence) -> tuple[float, float, floa
     return fraction, fraction * median_us / high_us, fraction * median_us / low_us
 
 
-def _status(claim: Claim, low: float, high: float) -> ClaimStatus:
+def interval_status(claim: Claim, low: float, high: float) -> ClaimStatus:
+    """verified / refuted / inconclusive: the whole 95% CI against the bound, less tolerance."""
     if low != low or high != high:
         return "inconclusive"
     if claim.at_least is not None:
@@ -126,7 +139,8 @@ def _status(claim: Claim, low: float, high: float) -> ClaimStatus:
     return "verified" if high <= threshold else "refuted" if low > threshold else "inconclusive"
 
 
-def _margin(claim: Claim, ci: tuple[float, float]) -> float:
+def interval_margin(claim: Claim, ci: tuple[float, float]) -> float:
+    """How far the CI clears the bound (negative: it does not)."""
     if claim.at_least is not None:
         return ci[0] - claim.at_least
     return (claim.at_most or 0.0) - ci[1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -22,6 +23,7 @@ from typing import Any
 
 from harness.evaluation.evidence import ClaimEvidence, ClaimStatus
 from harness.evaluation.stats import median_ci95, speedup_ci95
+from harness.evaluation.verdict import claim_evidence, interval_margin, interval_status
 from harness.serving.accuracy import (
     AccuracyResult,
     Completion,
@@ -426,7 +428,7 @@ def check_serving_claims(claims: list[Claim], result: ABResult) -> list[ClaimEvi
 
 
 def _check(claim: Claim, result: ABResult) -> ClaimEvidence:
-    judged = _ClaimJudgement(claim)
+    judged = functools.partial(claim_evidence, claim)
     if claim.hardware and claim.hardware != result.host_gpu:
         return judged(
             "not_measurable", f"needs {claim.hardware}; this run was on {result.host_gpu}"
@@ -446,34 +448,11 @@ def _check(claim: Claim, result: ABResult) -> ClaimEvidence:
         for status, row, value, ci in verdicts:
             if status == wanted:
                 return judged(wanted, _row_reason(row, value, ci, claim), value, ci, ids)
-    _, row, value, ci = min(verdicts, key=lambda v: _margin(claim, v[3]))
+    _, row, value, ci = min(verdicts, key=lambda v: interval_margin(claim, v[3]))
     closest = _row_reason(row, value, ci, claim)
     return judged(
         "verified", f"all {len(ids)} selected rows meet it; closest {closest}", value, ci, ids
     )
-
-
-@dataclass(frozen=True)
-class _ClaimJudgement:
-    claim: Claim
-
-    def __call__(
-        self,
-        status: ClaimStatus,
-        reason: str,
-        measured: float | None = None,
-        ci95: tuple[float, float] | None = None,
-        ids: list[str] | None = None,
-    ) -> ClaimEvidence:
-        return ClaimEvidence(
-            claim=self.claim.model_dump(exclude_defaults=True),
-            description=self.claim.describe(),
-            status=status,
-            measured=measured,
-            ci95=ci95,
-            cases=ids or [],
-            reason=reason,
-        )
 
 
 def _selected(claim: Claim, row: ABRow, params: ServeParams) -> bool:
@@ -500,13 +479,7 @@ def _row_status(claim: Claim, row: ABRow, ci: tuple[float, float]) -> ClaimStatu
     low, high = ci
     if row.failed_requests["candidate"] or row.failed_requests["baseline"]:
         return "inconclusive"  # throughput over completed requests only would flatter a path
-    if math.isnan(low) or math.isnan(high):
-        return "inconclusive"
-    if claim.at_least is not None:
-        threshold = claim.at_least * (1 - claim.tolerance)
-        return "verified" if low >= threshold else "refuted" if high < threshold else "inconclusive"
-    threshold = (claim.at_most or 0.0) * (1 + claim.tolerance)
-    return "verified" if high <= threshold else "refuted" if low > threshold else "inconclusive"
+    return interval_status(claim, low, high)
 
 
 def _row_reason(row: ABRow, value: float, ci: tuple[float, float], claim: Claim) -> str:
@@ -517,9 +490,3 @@ def _row_reason(row: ABRow, value: float, ci: tuple[float, float], claim: Claim)
         else ""
     )
     return f"{row.id}: {claim.metric} {value:.4g}, 95% CI [{ci[0]:.4g}, {ci[1]:.4g}]{failures}"
-
-
-def _margin(claim: Claim, ci: tuple[float, float]) -> float:
-    if claim.at_least is not None:
-        return ci[0] - claim.at_least
-    return (claim.at_most or 0.0) - ci[1]

@@ -53,7 +53,7 @@ from harness.evaluation.environment import hbm_bytes_per_s
 from harness.evaluation.profiling import profile_step
 from harness.evaluation.stats import median
 from harness.evaluation.timing import LayerSet, capture_graph, run_layers, timed_pairs
-from kernels.mla_moe_decode import fused, stock
+from kernels.mla_moe_decode import cute_kernels, fused, stock
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem, activated_local_experts
 from kernels.mla_moe_decode.triton_attention import latent_prep, mla_attention, q_absorb, w_uv
@@ -707,6 +707,18 @@ def print_tables(kernel_rows: list[KernelRow], layer_rows: list[LayerRow]) -> No
         )
 
 
+def _triton_input_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    residual_out: torch.Tensor,
+    eps: float,
+) -> None:
+    """--input-norm triton: kernel 10's Triton add+RMSNorm (x as its one split) as kernel 1."""
+    add_rmsnorm(x[None], residual, weight, residual_out, out, eps)
+
+
 def _environment(t: Target) -> dict[str, str]:
     environment = {
         "device": torch.cuda.get_device_name(t.device) if t.on_gpu else "cpu (interpreter)",
@@ -729,6 +741,9 @@ def main() -> None:
     problem = Problem(dict(fused.CPU_TEST_CONFIG) if args.small else {})
     copy_bw, read_bw = _bandwidths(t)
     environment = _environment(t)
+    if args.input_norm == "triton":
+        cute_kernels.add_rmsnorm = _triton_input_norm
+        environment["fused_input_norm"] = "Triton add+RMSNorm standing in for the CuTe DSL kernel"
     print(f"{environment}; copy {copy_bw / 1e12:.3f} TB/s, read {read_bw / 1e12:.3f} TB/s")
     batches = [1, 64] if args.quick else [1, 8, 64]
     print("== part 1: kernels", flush=True)
@@ -766,6 +781,13 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="CPU smoke run at test sizes")
     parser.add_argument(
         "--skip", nargs="*", default=[], help="kernel checks to leave out, e.g. input_norm"
+    )
+    parser.add_argument(
+        "--input-norm",
+        choices=("cute", "triton"),
+        default="cute",
+        help="kernel 1 of the fused layer: the CuTe DSL kernel, or (a measurement aid while it "
+        "is debugged, marked in the JSON) the Triton add+RMSNorm",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/mla_moe_device_check.json")

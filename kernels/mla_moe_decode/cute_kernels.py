@@ -11,7 +11,8 @@ into 128-bit vectors of 8 elements; thread t owns vectors t, t + THREADS, t + 2 
 (REPS of them), so one repetition of a warp reads 512 contiguous bytes with 16-byte loads
 (coalesced LDG.128), and D = THREADS * 8 * REPS exactly (7168 = 128 * 8 * 7): no predicates.
 Reduction of the sum of squares: per thread in registers, a butterfly shuffle across the warp,
-one value per warp through shared memory, then every thread adds the warps' values in the same
+one value per warp through shared memory (every lane stores it: no divergent branch before the
+barrier), then every thread adds the warps' values in the same
 order (identical bits in every thread, no second barrier, deterministic).
 
 Compiled once per hidden size (the batch is a runtime argument) and launched with raw pointers on
@@ -77,10 +78,13 @@ def _import_cute() -> tuple[Any, Any, Any, Any]:
     return cuda_driver, cutlass, cute, make_ptr
 
 
-def _build(hidden: int) -> Callable[..., None]:
-    """Define, compile and wrap the kernel for rows of `hidden` elements."""
+def _build(hidden: int, threads: int | None = None) -> Callable[..., None]:
+    """Define, compile and wrap the kernel for rows of `hidden` elements (`threads` per CTA:
+    threads_for(hidden) unless a probe asks for another exact tiling)."""
     cuda_driver, cutlass, cute, make_ptr = _import_cute()
-    threads = threads_for(hidden)
+    threads = threads or threads_for(hidden)
+    if hidden % (threads * VECTOR):
+        raise ValueError(f"{threads} threads of {VECTOR}-wide vectors do not tile {hidden}")
     warps = threads // WARP
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
 
@@ -129,8 +133,10 @@ def _build(hidden: int) -> Callable[..., None]:
             square_sum = square_sum + cute.arch.shuffle_sync_bfly(square_sum, offset=16 >> step)
         smem = cutlass.utils.SmemAllocator()
         warp_sums = smem.allocate_tensor(f32, cute.make_layout(warps), byte_alignment=16)
-        if cute.arch.lane_idx() == 0:
-            warp_sums[cute.arch.warp_idx()] = square_sum
+        # Every lane stores its warp's (identical) sum: no lane-divergent branch before the
+        # barrier. With `if lane == 0` the first H200 launch of 4 warps never finished: bar.sync
+        # is warp-aligned, and a warp that has not reconverged may arrive at it twice.
+        warp_sums[cute.arch.warp_idx()] = square_sum
         cute.arch.barrier()
         total = f32(0.0)
         for warp in cutlass.range_constexpr(warps):

@@ -8,7 +8,8 @@ printed says where it stopped. Probes, in order, from the least machinery to the
     threads=32   one warp per row: no shared memory, no barrier (the warp butterfly alone)
     threads=N    the kernel as the fused path builds it (threads_for(hidden), shared-memory sum)
 
-each at batch 1, 8 and 64 of the real hidden size (7168), against torch in float32.
+each at batch 1, 8 and 64 of the real hidden size (7168), against torch in float32. Exits 1
+unless every probe finished.
 
     python3 benchmarks/cute_norm_probe.py              # on a GPU with nvidia-cutlass-dsl
     python3 benchmarks/cute_norm_probe.py --sanitize   # and the built kernel under
@@ -111,6 +112,7 @@ def main() -> None:
     print("\n| probe | status | seconds |\n|---|---|---|")
     for r in results:
         print(f"| {r['probe']} | {r['status']} | {r['seconds']} |")
+    sys.exit(0 if all(r["status"] == "exit 0" for r in results) else 1)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem, activated_local_experts
 from kernels.mla_moe_decode.triton_attention import latent_prep, mla_attention, q_absorb, w_uv
 from kernels.mla_moe_decode.triton_gemv import gemv_blocks, splitk_gemv
-from kernels.mla_moe_decode.triton_moe import fused_moe, route
+from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, route
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm
 
 Tensors = dict[str, torch.Tensor]
@@ -377,12 +377,17 @@ def _check_route(
 
 
 def _check_moe(
-    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target
+    c: LayerConfig,
+    w: Tensors,
+    batch: int,
+    gen: torch.Generator,
+    t: Target,
+    blocks: MoeBlocks | None = None,
 ) -> KernelCheck:
     """Routing drawn uniformly (each token top_k of all experts; one local expert forced for
     the first token); each timing copy draws its own, so consecutive launches read different
-    experts, as different layers would."""
-    plan = _plan(c, batch, 1024, t).moe
+    experts, as different layers would. `blocks`: tiles other than the fused path's plan."""
+    plan = blocks or _plan(c, batch, 1024, t).moe
     h = _randn((batch, c.hidden), gen, t)
     routing = torch.rand(batch, c.top_k, generator=gen, device=t.device) / 2
     out = torch.empty_like(h)
@@ -513,6 +518,43 @@ def _soft_kernel(
     except Exception as exc:  # fail soft: report and go on
         _sync(t)
         return KernelRow(name, "", batch, error=_describe(exc))
+
+
+# --sweep-moe: the MoE kernels' tiles, timed as part 1 times them.
+
+# (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages); block_m follows the batch
+MOE_TILES_SMALL = [
+    (8, 256, 16, 256, 4, 4),  # the plan for batch <= 16
+    (16, 256, 16, 256, 4, 4),
+    (8, 512, 16, 512, 4, 3),
+    (8, 256, 32, 256, 4, 4),
+    (16, 128, 32, 128, 4, 6),
+    (8, 256, 16, 256, 8, 4),
+]
+MOE_TILES_LARGE = [
+    (16, 128, 16, 128, 4, 3),  # the plan for batch > 16
+    (32, 128, 16, 128, 4, 3),
+    (32, 128, 32, 128, 4, 3),
+    (64, 64, 32, 128, 4, 3),
+    (64, 128, 64, 64, 8, 3),
+    (32, 128, 64, 128, 8, 3),
+]
+
+
+def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow]:
+    weights = problem.make_weights(_case(1, 1024, t), 0, t.device)
+    rows = []
+    for batch in batches:
+        block_m = max(16, triton.next_power_of_2(batch))
+        for tiles in MOE_TILES_SMALL if batch <= 16 else MOE_TILES_LARGE:
+            blocks = MoeBlocks(block_m, *tiles)
+            gen = torch.Generator(device=t.device).manual_seed(batch)
+            build = partial(_check_moe, blocks=blocks)
+            row = _soft_kernel(build, problem.config, weights, batch, gen, t)
+            row.note = f"tiles {tiles}; {row.note}"
+            rows.append(row)
+            _print_kernel_row(row)
+    return rows
 
 
 # Part 2: the layer.
@@ -746,8 +788,13 @@ def main() -> None:
         environment["fused_input_norm"] = "Triton add+RMSNorm standing in for the CuTe DSL kernel"
     print(f"{environment}; copy {copy_bw / 1e12:.3f} TB/s, read {read_bw / 1e12:.3f} TB/s")
     batches = [1, 64] if args.quick else [1, 8, 64]
-    print("== part 1: kernels", flush=True)
-    kernel_rows = part_kernels(problem, batches, t, tuple(args.skip))
+    if args.sweep_moe:
+        print("== MoE tiles", flush=True)
+        kernel_rows = sweep_moe(problem, batches, t)
+        args.only_kernels = True
+    else:
+        print("== part 1: kernels", flush=True)
+        kernel_rows = part_kernels(problem, batches, t, tuple(args.skip))
     layer_rows: list[LayerRow] = []
     if not args.only_kernels:
         contexts = [8192] if args.quick else [1024, 8192, 32768]
@@ -779,6 +826,9 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 8192")
     parser.add_argument("--only-kernels", action="store_true", help="part 1 only")
     parser.add_argument("--small", action="store_true", help="CPU smoke run at test sizes")
+    parser.add_argument(
+        "--sweep-moe", action="store_true", help="instead of parts 1 and 2: the MoE's tiles"
+    )
     parser.add_argument(
         "--skip", nargs="*", default=[], help="kernel checks to leave out, e.g. input_norm"
     )

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,9 +54,11 @@ from harness.evaluation.outcomes import (
 from harness.evaluation.plan import Host, Plan, derive_seed, make_plan
 from harness.evaluation.prescreen import Finding, screen_files
 from harness.evaluation.profiling import profile_step
+from harness.evaluation.ranks import run_case_on_ranks, runs_on_ranks
 from harness.evaluation.stats import median_ci95, speedup_ci95
 from harness.evaluation.timing import (
     StopRule,
+    Timing,
     build_layers,
     cross_check_flags,
     eager_us,
@@ -279,6 +282,12 @@ def run_case(
             Unsupported(f"the guard refuses this in-scope case (supports returned {accepted!r})"),
         )
     trials = options.trials or (2 if options.quick else 3)
+    stop = options.stop or default_stop_rule(device, options.quick)
+    max_layers = options.max_layers or (64 if device.type == "cuda" else 2)
+    if runs_on_ranks(case):
+        ran = run_case_on_ranks(manifest, case, secret_seed, trials, stop, max_layers, device)
+        checked_on_ranks = _correctness_evidence(ran.correctness) if ran.correctness else None
+        return _case_evidence(case, ran.outcome, checked_on_ranks, ran.performance)
     checked = correctness_mod.check_case(
         path, case, secret_seed, trials, manifest.tolerance, device
     )
@@ -286,7 +295,9 @@ def run_case(
     if not isinstance(checked.outcome, Passed):
         return _case_evidence(case, checked.outcome, correctness)
     try:
-        performance, stale = measure_case(path, case, secret_seed, options, device, manifest)
+        performance, stale, _ = measure_case(
+            path, case, secret_seed, stop, max_layers, device, manifest
+        )
     except SUBMITTED_CODE_ERRORS as exc:
         return _case_evidence(case, Crashed(f"while timing: {exc!r}"), correctness)
     if stale:
@@ -298,15 +309,14 @@ def measure_case(
     path: LoadedPath,
     case: Case,
     secret_seed: int,
-    options: EngineOptions,
+    stop: StopRule,
+    max_layers: int,
     device: torch.device,
     manifest: ScopeManifest,
-) -> tuple[PerformanceEvidence, list[str]]:
-    """The case's timing evidence, and why the candidate's outputs after the timed runs are
-    wrong (empty when they are right)."""
-    max_layers = options.max_layers or (64 if device.type == "cuda" else 2)
+) -> tuple[PerformanceEvidence, list[str], Timing]:
+    """The case's timing evidence, why the candidate's outputs after the timed runs are wrong
+    (empty when they are right), and the raw samples."""
     layer_set = build_layers(path, case, secret_seed, device, max_layers)
-    stop = options.stop or default_stop_rule(device, options.quick)
     stock_steps = step_runners(path.baseline, layer_set, device, stop.captures)
     candidate_steps = step_runners(path.candidate, layer_set, device, stop.captures)
     seed = derive_seed(secret_seed, case.id, "bootstrap")
@@ -323,10 +333,8 @@ def measure_case(
     )
     stock_profile = profile_step(stock_steps[0], timing.layers, device)
     candidate_profile = profile_step(candidate_steps[0], timing.layers, device)
-    speedup, speedup_ci, spread = speedup_interval(timing, seed)
-    _, *sampling_ci = speedup_ci95(timing.stock_us, timing.candidate_us, seed)
-    stock_median, *stock_ci = median_ci95(timing.stock_us, seed)
-    cand_median, *cand_ci = median_ci95(timing.candidate_us, seed)
+    samples = sample_statistics(timing, seed)
+    cand_median = samples["candidate_us_median"]
     bytes_moved = _bytes_moved(path, case)
     bandwidth = hbm_bytes_per_s(device.index or 0) if device.type == "cuda" else None
     stock_wall = candidate_wall = None
@@ -343,17 +351,8 @@ def measure_case(
         layers=timing.layers,
         working_set_bytes=timing.working_set_bytes,
         exceeds_l2=timing.working_set_bytes > l2_cache_bytes(device),
-        stock_us=timing.stock_us,
-        candidate_us=timing.candidate_us,
-        stock_us_median=stock_median,
-        stock_us_ci95=(stock_ci[0], stock_ci[1]),
-        candidate_us_median=cand_median,
-        candidate_us_ci95=(cand_ci[0], cand_ci[1]),
-        speedup=speedup,
-        speedup_ci95=speedup_ci,
-        speedup_ci95_sampling=(sampling_ci[0], sampling_ci[1]),
+        **samples,
         captures=len(stock_steps),
-        capture_spread=spread,
         stop_reason=timing.stop_reason,
         stock_eager_us=eager_us(path.baseline, layer_set, device),
         candidate_eager_us=eager_us(path.candidate, layer_set, device),
@@ -368,12 +367,33 @@ def measure_case(
         bytes_moved=bytes_moved,
         hbm_bytes_per_s=bandwidth,
         candidate_hbm_fraction=_fraction(bytes_moved, cand_median, bandwidth),
-        stock_hbm_fraction=_fraction(bytes_moved, stock_median, bandwidth),
+        stock_hbm_fraction=_fraction(bytes_moved, samples["stock_us_median"], bandwidth),
         stock_wall_us_per_layer=stock_wall,
         candidate_wall_us_per_layer=candidate_wall,
         integrity_flags=flags,
     )
-    return performance, stale
+    return performance, stale, timing
+
+
+def sample_statistics(timing: Timing, seed: int) -> dict[str, Any]:
+    """The PerformanceEvidence fields that come from the timed samples alone: the samples, each
+    arm's median and CI, the speedup with its interval and the capture spread."""
+    speedup, speedup_ci, spread = speedup_interval(timing, seed)
+    _, *sampling_ci = speedup_ci95(timing.stock_us, timing.candidate_us, seed)
+    stock_median, *stock_ci = median_ci95(timing.stock_us, seed)
+    cand_median, *cand_ci = median_ci95(timing.candidate_us, seed)
+    return {
+        "stock_us": timing.stock_us,
+        "candidate_us": timing.candidate_us,
+        "stock_us_median": stock_median,
+        "stock_us_ci95": (stock_ci[0], stock_ci[1]),
+        "candidate_us_median": cand_median,
+        "candidate_us_ci95": (cand_ci[0], cand_ci[1]),
+        "speedup": speedup,
+        "speedup_ci95": speedup_ci,
+        "speedup_ci95_sampling": (sampling_ci[0], sampling_ci[1]),
+        "capture_spread": spread,
+    }
 
 
 def reproduce_command(scope_path: str, device: str, quick: bool, seed: int) -> str:

@@ -25,6 +25,13 @@ class LoadedPath:
     baseline: PathFn
     candidate: PathFn
     supports: Callable[[Any], bool]
+    # What computes the upcast reference: the baseline unless a multi-rank case runs the
+    # baseline on one rank's share of the inputs (then the whole-input baseline, on one process)
+    reference: PathFn | None = None
+
+    @property
+    def reference_fn(self) -> PathFn:
+        return self.reference or self.baseline
 
 
 def load_entry_point(spec: str) -> Any:

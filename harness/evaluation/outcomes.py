@@ -32,6 +32,7 @@ class Crashed:
 @dataclass(frozen=True)
 class TimedOut:
     after_s: float
+    detail: str = ""  # e.g. which ranks of a multi-rank case had not finished
     status: ClassVar[Literal["timed_out"]] = "timed_out"
 
 
@@ -58,6 +59,6 @@ def reasons_of(outcome: Outcome) -> list[str]:
             return [why]
         case Crashed(error=error):
             return [f"crashed: {error}"]
-        case TimedOut(after_s=after_s):
-            return [f"timed out after {after_s:.0f} s"]
+        case TimedOut(after_s=after_s, detail=detail):
+            return [f"timed out after {after_s:.0f} s" + (f": {detail}" if detail else "")]
     raise TypeError(f"not an outcome: {outcome!r}")

@@ -2,8 +2,10 @@
 
 Cases are the batch (and context) minimum, maximum and the powers of two between, plus values
 drawn from a secret per-run seed, so a path tuned only to the probed sizes fails; crossed with
-every CP degree and GPU count this host can serve. Probes sit just outside the scope: there the
-guard must refuse and the dispatching entry must give exactly the stock result.
+every GPU count this host can serve (or the one count a queue's job asks for) and every CP
+degree that splits that count into CP groups. A case of N GPUs runs on N ranks
+(harness.evaluation.ranks). Probes sit just outside the scope: there the guard must refuse and
+the dispatching entry must give exactly the stock result.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from types import MappingProxyType
 from harness.evaluation.cases import Case
 from scopes.manifest import IntRange, ScopeManifest
 
+# A CPU host runs a case of N "GPUs" as N gloo processes (the multi-rank machinery's CPU form).
+CPU_MAX_RANKS = 8
 OTHER_DTYPE = {"bfloat16": "float16", "float16": "bfloat16", "float32": "bfloat16"}
 
 
@@ -74,8 +78,16 @@ def grid_values(bounds: IntRange, rng: random.Random, n_random: int) -> list[tup
     return values
 
 
-def make_plan(manifest: ScopeManifest, host: Host, secret_seed: int, quick: bool = False) -> Plan:
-    runnable_gpus, not_run = _gpu_counts_here(manifest, host)
+def make_plan(
+    manifest: ScopeManifest,
+    host: Host,
+    secret_seed: int,
+    quick: bool = False,
+    gpus: int | None = None,
+) -> Plan:
+    """`gpus`: run only the cases of that GPU count (a job of the gpu.<kind>.x<gpus> queue);
+    None: every count this host can serve."""
+    runnable_gpus, not_run = _gpu_counts_here(manifest, host, gpus)
     if not runnable_gpus:
         return Plan((), (), tuple(not_run))
     rng = random.Random(derive_seed(secret_seed, "plan"))
@@ -99,6 +111,9 @@ def make_plan(manifest: ScopeManifest, host: Host, secret_seed: int, quick: bool
             if cp > gpus:
                 not_run.append(f"cp={cp} with gpus={gpus}: a CP degree needs that many GPUs")
                 continue
+            if gpus % cp:
+                not_run.append(f"cp={cp} with gpus={gpus}: the ranks must split into CP groups")
+                continue
             for batch, b_origin in batches:
                 for context, c_origin in contexts:
                     origin = "random" if "random" in (b_origin, c_origin) else "grid"
@@ -118,7 +133,9 @@ def _thin(values: list[tuple[int, str]], quick: bool) -> list[tuple[int, str]]:
     return sorted(keep)
 
 
-def _gpu_counts_here(manifest: ScopeManifest, host: Host) -> tuple[list[int], list[str]]:
+def _gpu_counts_here(
+    manifest: ScopeManifest, host: Host, only: int | None
+) -> tuple[list[int], list[str]]:
     kinds = manifest.hardware.gpu
     if host.gpu not in kinds:
         needed = min(manifest.hardware.gpus)
@@ -127,12 +144,12 @@ def _gpu_counts_here(manifest: ScopeManifest, host: Host) -> tuple[list[int], li
             f"not runnable here: needs {needed}x {gpu_names}; this host has "
             f"{host.count}x {host.gpu}"
         ]
-    runnable = [n for n in manifest.hardware.gpus if n <= host.count and n == 1]
+    wanted = [n for n in manifest.hardware.gpus if only is None or n == only]
+    limit = host.count if host.device == "cuda" else CPU_MAX_RANKS
+    runnable = [n for n in wanted if n <= limit]
     not_run = [
-        f"gpus={n}: needs {n}x {host.gpu}, this host runs single-GPU cases only"
-        if n <= host.count
-        else f"gpus={n}: needs {n}x {host.gpu}, this host has {host.count}"
-        for n in manifest.hardware.gpus
+        f"gpus={n}: needs {n}x {host.gpu}, this host has {host.count}"
+        for n in wanted
         if n not in runnable
     ]
     return runnable, not_run

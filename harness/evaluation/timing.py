@@ -19,7 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.evaluation.cases import Case
-from harness.evaluation.correctness import REFERENCE_DTYPE, comparable_rows, cosine_similarity
+from harness.evaluation.correctness import (
+    REFERENCE_DTYPE,
+    cosine_similarity,
+    pooled_comparable_rows,
+)
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.plan import derive_seed
 from harness.evaluation.stats import median, speedup_ci95
@@ -265,10 +269,11 @@ def replay_mismatches(
 ) -> list[str]:
     """Each candidate capture replayed into NaN-poisoned outputs against one stock replay on
     the same inputs: every output written, finite, and as close to the stock's as correctness
-    demands (cosine; rows the problem calls near-tie decisions left out, as in correctness).
+    demands (cosine; rows the problem calls near-tie decisions left out, as in correctness,
+    capped over all the layers' rows together: no redraw is possible here).
     The first disagreement per capture is reported."""
     expected = _replayed_outputs(stock[0], layer_set, device)
-    keeps = [comparable_rows(problem, w, i) for w, i, _ in layer_set.args]
+    keeps = pooled_comparable_rows(problem, [(w, i) for w, i, _ in layer_set.args])
     reasons = []
     for index, step in enumerate(candidate):
         got = _replayed_outputs(step, layer_set, device)

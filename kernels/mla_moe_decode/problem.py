@@ -28,6 +28,7 @@ import torch
 from harness.evaluation.cases import Case
 from kernels.mla_moe_decode import stock
 from kernels.mla_moe_decode.config import LayerConfig
+from kernels.mla_moe_decode.context_parallel import near_equal_sizes, rank_slice
 
 Tensors = dict[str, torch.Tensor]
 NORM_WEIGHT_STD = 0.1  # norm weights ~ N(1, 0.1)
@@ -70,6 +71,12 @@ class Problem:
         kv_cache = _kv_cache(self.config, case.batch, context, gen, device, dtype)
         jitter = torch.randint(0, POSITION_SPREAD, (case.batch,), generator=gen, device=device)
         return {"x": x, "residual": residual, "kv_cache": kv_cache, "positions": context + jitter}
+
+    def shard_inputs(self, case: Case, inputs: Tensors, cp_rank: int) -> Tensors:
+        """Decode CP: rank `cp_rank` of case.cp holds its contiguous slice of the cache
+        (context_parallel.near_equal_sizes); x, residual and positions are the whole batch's."""
+        sizes = near_equal_sizes(inputs["kv_cache"].shape[1], case.cp)
+        return {**inputs, "kv_cache": rank_slice(inputs["kv_cache"], sizes, cp_rank).contiguous()}
 
     def make_outputs(self, case: Case, device: torch.device) -> Tensors:
         dtype, batch, c = _dtype(case), case.batch, self.config

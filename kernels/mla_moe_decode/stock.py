@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from harness.evaluation.ranks import cp_group
 from kernels.mla_moe_decode.config import LayerConfig
 
 Tensors = dict[str, torch.Tensor]
@@ -61,7 +62,9 @@ def forward_compiled(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
     first use. Outside bf16 the experts' per-expert loop has data-dependent shapes that no full
     graph can hold, so those dtypes (the float64 reference) run the same ops eagerly."""
     config = LayerConfig.from_tensor(weights["config"])
-    if not uses_grouped_mm(inputs["x"]):
+    # On a CP rank the attention merges through a collective, which this full graph does not
+    # hold: the CP stock runs eagerly (recorded where CP cases are measured).
+    if not uses_grouped_mm(inputs["x"]) or cp_group() is not None:
         _layer(config, weights, inputs, out)
         return
     global _compiled_layer
@@ -138,9 +141,23 @@ def _mla_decode(
     w_uk, w_uv = kv_b.split([nope, c.v_head_dim], 1)  # (H, N, L), (H, V, L)
     ql_nope = torch.bmm(q_nope.transpose(0, 1), w_uk)  # (H, B, L): q_nope absorbed through W_UK
     q_latent = torch.cat([ql_nope.transpose(0, 1), q_pe], -1)  # (B, H, L+R)
-    o_latent = _latent_attention(q_latent, kv_cache, kv_new, lora, c.qk_head_dim**-0.5)
+    o_latent = _attention(q_latent, kv_cache, kv_new, lora, c.qk_head_dim**-0.5)
     o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # (H, B, V)
     return F.linear(o.transpose(0, 1).reshape(batch, heads * c.v_head_dim), w["o_proj"])
+
+
+def _attention(
+    q_latent: torch.Tensor, kv_cache: torch.Tensor, kv_new: torch.Tensor, lora: int, scale: float
+) -> torch.Tensor:
+    """On one process: attention over the whole cache. On a rank of a decode-CP group (pathgate
+    runs a cp > 1 case on N ranks and names the group, as vLLM's get_dcp_group does): kv_cache
+    is this rank's slice, and the partials of the group merge exactly (context_parallel)."""
+    group = cp_group()
+    if group is None:
+        return _latent_attention(q_latent, kv_cache, kv_new, lora, scale)
+    from kernels.mla_moe_decode.context_parallel import distributed_latent_attention
+
+    return distributed_latent_attention(q_latent, kv_cache, kv_new, lora, scale, group)
 
 
 def _latent_attention(

@@ -1,0 +1,49 @@
+"""Candidates for the multi-rank engine tests: the stock MLA layer, wrong or failing on one rank.
+
+Module-level functions: every spawned rank imports them by the manifest's entry-point names.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from kernels.mla_moe_decode import stock
+
+Tensors = dict[str, torch.Tensor]
+
+
+def wrong_on_the_last_rank(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
+    stock.forward(weights, inputs, out)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        out["out"].mul_(1.5)
+
+
+def raises_on_rank_one(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("deliberate failure on rank 1")
+    stock.forward(weights, inputs, out)
+
+
+def hangs_on_rank_zero(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+    stock.forward(weights, inputs, out)
+
+
+def ignores_its_share(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
+    """Attends over its own slice alone, as if it were the whole context: wrong under CP."""
+    from harness.evaluation import ranks
+
+    saved = ranks._cp_group
+    ranks._cp_group = None
+    try:
+        stock.forward(weights, inputs, out)
+    finally:
+        ranks._cp_group = saved
+
+
+def always(case: object) -> bool:
+    return True

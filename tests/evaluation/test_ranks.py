@@ -1,0 +1,122 @@
+"""Cases on N ranks through the engine, on the CPU with gloo (2 and 4 processes).
+
+The scope is the MLA+MoE layer at its CPU test size with decode context parallelism: every rank
+holds a slice of the KV cache, the stock path merges the ranks' partial attention, and the
+float64 reference attends over the whole cache on one process.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import pytest
+import torch
+
+from harness.evaluation.cases import Case
+from harness.evaluation.engine import EngineOptions, evaluate
+from harness.evaluation.plan import Host, make_plan
+from harness.evaluation.ranks import run_case_on_ranks
+from harness.evaluation.timing import StopRule
+from kernels.mla_moe_decode.fused import CPU_TEST_CONFIG
+from scopes.manifest import ScopeManifest
+
+STOP = StopRule(4, 4, 5.0, 0.05, pairs_per_batch=4, captures=1)
+CPU = torch.device("cpu")
+
+
+def _manifest(
+    candidate: str = "kernels.mla_moe_decode.stock:forward", gpus: int = 2, cp: int = 2
+) -> ScopeManifest:
+    return ScopeManifest.model_validate(
+        {
+            "name": f"mla-cp{cp}-cpu",
+            "summary": "stock MLA+MoE layer with decode CP on gloo ranks",
+            "path": {
+                "problem": "kernels.mla_moe_decode.problem:Problem",
+                "baseline": "kernels.mla_moe_decode.stock:forward_compiled",
+                "candidate": candidate,
+                "supports": "tests.evaluation.rank_paths:always",
+            },
+            "model": {"id": "test/mla", "dtype": "bfloat16", "config": dict(CPU_TEST_CONFIG)},
+            "hardware": {"gpu": ["cpu"], "gpus": [gpus]},
+            "workload": {
+                "phase": "decode",
+                "batch": {"min": 3, "max": 3},
+                "context": {"min": 45, "max": 45},
+                "context_parallel": [cp],
+            },
+            "tolerance": {"error_budget": 2.0, "min_cosine": 0.9999},
+        }
+    )
+
+
+def _case(gpus: int, cp: int) -> Case:
+    return Case(3, 45, cp, gpus, "bfloat16", "cpu", config=MappingProxyType(dict(CPU_TEST_CONFIG)))
+
+
+def _run(candidate: str, gpus: int = 2, cp: int = 2, timeout_s: float = 300.0):  # type: ignore[no-untyped-def]
+    manifest = _manifest(candidate, gpus, cp)
+    return run_case_on_ranks(manifest, _case(gpus, cp), 11, 2, STOP, 2, CPU, timeout_s)
+
+
+@pytest.mark.parametrize(("gpus", "cp"), [(2, 2), (4, 4), (4, 2)])
+def test_cp_stock_against_itself_passes_with_slowest_rank_samples(gpus: int, cp: int) -> None:
+    ran = _run("kernels.mla_moe_decode.stock:forward", gpus, cp)
+    assert ran.outcome.status == "passed", ran.outcome
+    assert ran.correctness is not None and len(ran.correctness.trials) == 2
+    # the CP path against the float64 attention over the whole cache: the stock error's size
+    assert ran.correctness.worst_error_ratio <= 1.5
+    performance = ran.performance
+    assert performance is not None
+    assert len(performance.stock_us) == len(performance.candidate_us) == STOP.min_pairs
+    assert performance.stock_us_median > 0 and performance.speedup > 0
+
+
+def test_a_wrong_result_on_one_rank_fails_the_case_and_names_the_rank() -> None:
+    ran = _run("tests.evaluation.rank_paths:wrong_on_the_last_rank")
+    assert ran.outcome.status == "failed"
+    assert all(reason.startswith("rank 1: trial 0") for reason in ran.outcome.reasons)
+    assert ran.performance is None
+
+
+def test_a_path_that_ignores_the_other_ranks_slices_fails() -> None:
+    ran = _run("tests.evaluation.rank_paths:ignores_its_share")
+    assert ran.outcome.status == "failed"
+    assert any("'out'" in reason for reason in ran.outcome.reasons)
+
+
+def test_a_rank_that_raises_fails_the_case_with_its_error() -> None:
+    ran = _run("tests.evaluation.rank_paths:raises_on_rank_one")
+    assert ran.outcome.status == "crashed"
+    assert "rank 1" in ran.outcome.error and "deliberate failure on rank 1" in ran.outcome.error
+
+
+def test_a_rank_that_hangs_times_the_case_out_and_ends_every_rank() -> None:
+    ran = _run("tests.evaluation.rank_paths:hangs_on_rank_zero", timeout_s=20.0)
+    assert ran.outcome.status == "timed_out"
+    assert ran.outcome.after_s >= 20.0 and "[0, 1]" in ran.outcome.detail
+
+
+def test_the_engine_runs_a_cp_scope_on_ranks_and_the_verdict_stands() -> None:
+    options = EngineOptions(device="cpu", quick=True, seed=5, trials=1, stop=STOP)
+    evidence = evaluate(_manifest(), options)
+    assert [c.status for c in evidence.cases] == ["passed"]
+    assert evidence.cases[0].cp == 2 and evidence.cases[0].gpus == 2
+    assert evidence.cases[0].performance is not None
+    assert evidence.verdict == "PASS", evidence.verdict_reasons
+
+
+def test_plan_crosses_gpu_counts_with_the_cp_degrees_that_split_them() -> None:
+    data = _manifest().model_dump()
+    data["hardware"] = {"gpu": ["H200"], "gpus": [2, 4, 8]}
+    data["workload"]["context_parallel"] = [1, 2, 4, 8]
+    manifest = ScopeManifest.model_validate(data)
+    plan = make_plan(manifest, Host("H200", 8), secret_seed=1)
+    assert {(c.gpus, c.cp) for c in plan.cases} == {
+        (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4), (8, 8),
+    }  # fmt: skip
+    only_four = make_plan(manifest, Host("H200", 8), secret_seed=1, gpus=4)
+    assert {c.gpus for c in only_four.cases} == {4}
+    small_host = make_plan(manifest, Host("H200", 2), secret_seed=1)
+    assert {c.gpus for c in small_host.cases} == {2}
+    assert "gpus=8: needs 8x H200, this host has 2" in small_host.not_run

@@ -246,7 +246,7 @@ def test_a_job_that_keeps_ending_its_worker_ends_failed(service: Service) -> Non
         worker = service.start_worker(f"w{attempt}")
         wait_for(
             lambda attempt=attempt: _running_attempt(service, submission_id) == attempt,
-            90,
+            180,  # a worker start on a loaded 2-core CI machine took over 90 s once
             f"attempt {attempt} to run",
         )
         service.kill(worker)

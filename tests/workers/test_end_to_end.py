@@ -246,8 +246,9 @@ def test_a_job_that_keeps_ending_its_worker_ends_failed(service: Service) -> Non
         worker = service.start_worker(f"w{attempt}")
         wait_for(
             lambda attempt=attempt: _running_attempt(service, submission_id) == attempt,
-            180,  # a worker start on a loaded 2-core CI machine took over 90 s once
+            90,
             f"attempt {attempt} to run",
+            service.logs,
         )
         service.kill(worker)
     service.start_worker("w4")

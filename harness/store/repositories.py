@@ -118,8 +118,10 @@ def list_submissions(
 
 
 def lock_job(session: Session, job_id: int) -> Job | None:
-    """The job row, locked until commit on PostgreSQL (SQLite serializes writers anyway)."""
-    return session.scalar(select(Job).where(Job.id == job_id).with_for_update())
+    """The job row, locked until commit on PostgreSQL (SQLite serializes writers anyway), its
+    attributes read again even if this session had loaded it before."""
+    query = select(Job).where(Job.id == job_id).with_for_update()
+    return session.scalar(query.execution_options(populate_existing=True))
 
 
 def jobs_of(session: Session, submission_id: int) -> list[Job]:
@@ -213,10 +215,14 @@ def live_workers(session: Session, stale_after_s: float) -> set[str]:
 
 
 def jobs_in_state(session: Session, state: str, before: datetime | None = None) -> list[Job]:
+    """The jobs in this state, locked until commit (the sweeper changes what it selects): a
+    job a worker claims meanwhile is waited for and then left out, not read as it was before
+    the claim and overwritten after it."""
     query = select(Job).where(Job.state == state)
     if before is not None:
         query = query.where(Job.enqueued_at < before)
-    return list(session.scalars(query.order_by(Job.id)))
+    query = query.order_by(Job.id).with_for_update().execution_options(populate_existing=True)
+    return list(session.scalars(query))
 
 
 def mark_enqueued(session: Session, job_ids: Sequence[int]) -> None:

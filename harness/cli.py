@@ -51,6 +51,9 @@ def validate(
     out: Annotated[Path | None, typer.Option(help="folder for evidence.json and report.md")] = None,
     quick: Annotated[bool, typer.Option(help="fewer cases, trials and samples")] = False,
     seed: Annotated[int | None, typer.Option(help="reuse a run's seed to reproduce it")] = None,
+    gpus: Annotated[
+        int | None, typer.Option(help="only the cases of this GPU count (as a gpu.<kind>.xN job)")
+    ] = None,
 ) -> None:
     """Run the scope's plan: correctness, timing and claims, stock vs candidate; exit 0 on PASS,
     1 on FAIL, 3 on INCONCLUSIVE, 4 on NEEDS_REVIEW, 2 on a bad manifest or usage."""
@@ -60,8 +63,10 @@ def validate(
     manifest = _load_or_exit(scope)
     out_dir = out or get_settings().output_dir / manifest.name
     command_seed = seed if seed is not None else secrets.randbits(63)
-    command = reproduce_command(str(scope), device.value, quick, command_seed)
-    options = EngineOptions(device=device.value, quick=quick, seed=command_seed, command=command)
+    command = reproduce_command(str(scope), device.value, quick, command_seed, gpus)
+    options = EngineOptions(
+        device=device.value, quick=quick, seed=command_seed, gpus=gpus, command=command
+    )
     try:
         with _progress() as progress:
             task = progress.add_task("starting", total=None)

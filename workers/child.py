@@ -12,12 +12,15 @@ here, and the child must not import the harness (or anything submitted) before i
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
 import os
 import resource
 import signal
+import socket
+import struct
 import sys
 import traceback
 from pathlib import Path
@@ -53,6 +56,7 @@ def main() -> int:
     # pass_fds made the result pipe inheritable; programs a candidate starts must not get it.
     os.set_inheritable(result_fd, False)
     limit_resources()
+    loopback_up()
     try:
         evidence_json = evaluate_request(request)
     except BaseException as exc:  # SystemExit from a candidate too: report it, then exit 1
@@ -77,6 +81,19 @@ def die_with_parent(parent_pid: int) -> None:
     in_own_namespace = os.getpid() == 1
     if parent_pid and not in_own_namespace and os.getppid() != parent_pid:
         os._exit(3)  # the worker died before prctl took effect
+
+
+def loopback_up() -> None:
+    """Bring up the loopback interface, which a new network namespace starts with down: the
+    ranks of a multi-GPU case meet over 127.0.0.1 (gloo's and NCCL's bootstrap). Nothing outside
+    the namespace becomes reachable. Best effort: where it fails, lo is already up (no namespace)
+    or a multi-rank case fails with its connection error."""
+    get_flags, set_flags, up = 0x8913, 0x8914, 0x1  # SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(sock, get_flags, request))[1]
+        if not flags & up:
+            fcntl.ioctl(sock, set_flags, struct.pack("16sh", b"lo", flags | up))
 
 
 def limit_resources() -> None:
@@ -104,7 +121,10 @@ def evaluate_request(request: dict[str, Any]) -> str:
     manifest = load_manifest(request["manifest_yaml"])
     prefer_source_dir(Path(request["source_dir"]))
     options = EngineOptions(
-        device=request["device"], quick=bool(request["quick"]), seed=request["seed"]
+        device=request["device"],
+        quick=bool(request["quick"]),
+        seed=request["seed"],
+        gpus=request.get("gpus"),
     )
     return evaluate(manifest, options).model_dump_json()
 

@@ -14,10 +14,22 @@ def queue_name(gpu: str, count: int) -> str:
 
 
 def queues_for_manifest(manifest: ScopeManifest) -> list[str]:
-    """One job per hardware target: each GPU kind at the smallest GPU count of the scope (a
-    worker runs every count it can host within that job)."""
-    smallest = min(manifest.hardware.gpus)
-    return [queue_name(gpu, 1 if gpu == "cpu" else smallest) for gpu in manifest.hardware.gpu]
+    """One job per hardware target: each GPU kind at each GPU count of the scope (the cases
+    with 4 GPUs need a host with 4; gpu.h200.x4 runs only those). CPU is one job: a CPU host
+    runs every count as that many processes."""
+    queues = []
+    for gpu in manifest.hardware.gpu:
+        counts = [1] if gpu == "cpu" else sorted(manifest.hardware.gpus)
+        queues += [queue_name(gpu, n) for n in counts]
+    return queues
+
+
+def gpus_of_queue(queue: str) -> int | None:
+    """The GPU count a job of this queue runs (gpu.h200.x4 -> 4); None for the CPU queue, whose
+    job runs every count."""
+    if queue == CPU_QUEUE:
+        return None
+    return int(queue.rsplit(".x", 1)[1])
 
 
 def queues_for_host(gpu: str, count: int) -> list[str]:

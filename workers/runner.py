@@ -59,6 +59,7 @@ class RunRequest:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     quick: bool = False
     seed: int | None = None
+    gpus: int | None = None  # run only the cases of this GPU count; None: every count
     timeout_s: float = 1800.0  # wall clock for the whole child
     workdir: Path | None = None  # the child's scratch (HOME, TMPDIR, Triton cache); temp if None
 
@@ -210,6 +211,7 @@ def _request_json(request: RunRequest) -> dict[str, Any]:
         "device": request.device,
         "quick": request.quick,
         "seed": request.seed,
+        "gpus": request.gpus,
     }
 
 

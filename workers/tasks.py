@@ -26,7 +26,7 @@ from harness.store.models import Job, utcnow
 from workers import gpu_health
 from workers import heartbeat as worker_identity
 from workers.celery_app import app, enqueue
-from workers.routing import CPU_QUEUE
+from workers.routing import CPU_QUEUE, gpus_of_queue
 from workers.runner import (
     ChildCrashed,
     ChildTimedOut,
@@ -121,6 +121,7 @@ def start_job(job_id: int, worker: str) -> StartedJob | None:
         source_dir=source_dir,
         # the queue names the hardware: a GPU host serving `cpu` runs those jobs on its CPU
         device="cpu" if job_queue == CPU_QUEUE else "cuda",
+        gpus=gpus_of_queue(job_queue),
         timeout_s=settings.job_timeout_s,
         workdir=workdir,
     )

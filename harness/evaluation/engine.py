@@ -82,6 +82,7 @@ class EngineOptions:
     device: str = "auto"  # "auto", "cpu" or "cuda"
     quick: bool = False
     seed: int | None = None  # None: a fresh secret seed
+    gpus: int | None = None  # only the cases of this GPU count (a gpu.<kind>.x<n> job)
     trials: int | None = None  # correctness trials per case; None: 2 quick, 3 otherwise
     max_layers: int | None = None  # layers per timed step; None: 64 on CUDA, 2 on CPU
     stop: StopRule | None = None
@@ -102,7 +103,7 @@ def evaluate(
     started_at = _now()
     host = detect_host(options.device)
     secret_seed = options.seed if options.seed is not None else secrets.randbits(63)
-    plan = make_plan(manifest, host, secret_seed, options.quick)
+    plan = make_plan(manifest, host, secret_seed, options.quick, options.gpus)
     notes = [CPU_NOTE] if host.device == "cpu" else []
     run = RunResults()
     if plan.runnable:
@@ -112,7 +113,7 @@ def evaluate(
         run.cases, run.probes, claims, list(plan.not_run), run.tampering, run.decode_check
     )
     command = options.command or reproduce_command(
-        f"scopes/{manifest.name}.yaml", host.device, options.quick, secret_seed
+        f"scopes/{manifest.name}.yaml", host.device, options.quick, secret_seed, options.gpus
     )
     return Evidence(
         verdict=verdict,
@@ -298,11 +299,34 @@ def run_case(
         performance, stale, _ = measure_case(
             path, case, secret_seed, stop, max_layers, device, manifest
         )
+        stale += still_correct_after_timing(path, case, secret_seed, manifest, device)
     except SUBMITTED_CODE_ERRORS as exc:
         return _case_evidence(case, Crashed(f"while timing: {exc!r}"), correctness)
     if stale:
         return _case_evidence(case, Mismatch(tuple(stale)), correctness, performance)
     return _case_evidence(case, Passed(), correctness, performance)
+
+
+def still_correct_after_timing(
+    path: LoadedPath,
+    case: Case,
+    secret_seed: int,
+    manifest: ScopeManifest,
+    device: torch.device,
+) -> list[str]:
+    """One more correctness trial, on draws of its own, after the many timed calls: a path
+    that is right while it is checked and wrong once it has been called often enough fails
+    here. The reasons it fails; empty when it passes. A crash raises (on N ranks the failing
+    rank must end, or its peers would wait for it in a collective)."""
+    checked = correctness_mod.check_case(
+        path, case, derive_seed(secret_seed, "after timing"), 1, manifest.tolerance, device
+    )
+    match checked.outcome:
+        case Mismatch(reasons=reasons):
+            return [f"after the timed runs, a correctness trial: {r}" for r in reasons]
+        case Crashed(error=error):
+            raise correctness_mod.CandidateCrash(f"after the timed runs: {error}")
+    return []
 
 
 def measure_case(
@@ -324,8 +348,8 @@ def measure_case(
     timing = sample_interleaved(stock_steps, candidate_steps, layer_set, device, stop, seed)
     refresh_inputs(path, case, layer_set, derive_seed(seed, "after timing"), device)
     stale = replay_mismatches(
-        stock_steps,
         candidate_steps,
+        path.candidate,
         layer_set,
         device,
         manifest.tolerance.min_cosine,
@@ -396,8 +420,11 @@ def sample_statistics(timing: Timing, seed: int) -> dict[str, Any]:
     }
 
 
-def reproduce_command(scope_path: str, device: str, quick: bool, seed: int) -> str:
+def reproduce_command(
+    scope_path: str, device: str, quick: bool, seed: int, gpus: int | None = None
+) -> str:
     parts = ["pathgate", "validate", scope_path, "--device", device, "--seed", str(seed)]
+    parts += ["--gpus", str(gpus)] if gpus is not None else []
     return shlex.join(parts + (["--quick"] if quick else []))
 
 

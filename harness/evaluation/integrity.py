@@ -49,6 +49,7 @@ WATCHED = (
     ("harness.evaluation.verdict", "review_reasons"),
     ("harness.evaluation.engine", "run_case"),
     ("harness.evaluation.engine", "measure_case"),
+    ("harness.evaluation.engine", "still_correct_after_timing"),
 )
 
 

@@ -189,7 +189,8 @@ def _slowest_rank_performance(
 
 
 def _rank_main(rank: int, world_size: int, task: RankTask) -> RankResult:
-    from harness.evaluation.engine import measure_case  # the engine imports this module
+    # the engine imports this module
+    from harness.evaluation.engine import measure_case, still_correct_after_timing
 
     device = torch.device("cuda", rank) if task.device_type == "cuda" else torch.device("cpu")
     if device.type == "cpu":
@@ -199,8 +200,9 @@ def _rank_main(rank: int, world_size: int, task: RankTask) -> RankResult:
     group, cp_rank = _join_cp_group(rank, world_size, case.cp)
     path = load_path(manifest)
     seed = derive_seed(task.secret_seed, "replica", rank // case.cp)
+    sharing = _sharing_path(path, case, cp_rank, group)
     checked = correctness_mod.check_case(
-        _sharing_path(path, case, cp_rank, group),
+        sharing,
         case,
         seed,
         task.trials,
@@ -216,6 +218,10 @@ def _rank_main(rank: int, world_size: int, task: RankTask) -> RankResult:
     performance, stale, timing = measure_case(
         shared, case, seed, task.stop, task.max_layers, device, manifest
     )
+    try:
+        stale += still_correct_after_timing(sharing, case, seed, manifest, device)
+    except correctness_mod.CandidateCrash as crash:
+        raise RankFailed(crash.error) from None
     return RankResult(checked, performance, timing, stale)
 
 

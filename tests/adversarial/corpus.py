@@ -101,6 +101,12 @@ ATTACKS = (
         note="on CPU a content cache returns right outputs and CPU timings are never evidence",
     ),
     Attack(
+        "wrong_after_checks",
+        "right while checked, wrong once called often (timing, captures)",
+        ("FAIL",),
+        ("after the timed runs",),
+    ),
+    Attack(
         "probed_sizes_only",
         "right only at grid batch sizes",
         ("FAIL",),

@@ -201,18 +201,20 @@ def _rank_main(rank: int, world_size: int, task: RankTask) -> RankResult:
     path = load_path(manifest)
     seed = derive_seed(task.secret_seed, "replica", rank // case.cp)
     sharing = _sharing_path(path, case, cp_rank, group)
+    agreed: list[bool] = []  # per trial: whether every rank passed it
+
+    def all_passed(passed: bool) -> bool:
+        agreed.append(_all_ranks(passed, device))
+        return agreed[-1]
+
     checked = correctness_mod.check_case(
-        sharing,
-        case,
-        seed,
-        task.trials,
-        manifest.tolerance,
-        device,
-        all_passed=lambda passed: _all_ranks(passed, device),
+        sharing, case, seed, task.trials, manifest.tolerance, device, all_passed
     )
     if isinstance(checked.outcome, Crashed):
         raise RankFailed(checked.outcome.error)  # the parent stops every rank at once
-    if not isinstance(checked.outcome, Passed):
+    if not isinstance(checked.outcome, Passed) or not all(agreed):
+        # this rank, or a peer, failed a trial: no rank times the case (a rank that went on
+        # alone would wait forever in a collective its failed peers never join)
         return RankResult(checked)
     shared = _pre_shared_path(path, case, cp_rank, group)
     performance, stale, timing = measure_case(

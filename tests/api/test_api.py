@@ -247,7 +247,8 @@ def test_validate_scope_without_submitting(client: TestClient, alice: dict[str, 
     }
     kimi = (SCOPES / "kimi-k3-mla-moe-decode-gb300.yaml").read_text()
     response = client.post("/v1/scopes/validate", json={"manifest": kimi}, headers=alice)
-    assert response.json()["queues"] == ["gpu.gb300.x8"]
+    # one job per GPU count of the scope (8 and 16): a host of 8 runs only the 8-GPU cases
+    assert response.json()["queues"] == ["gpu.gb300.x8", "gpu.gb300.x16"]
     bad = client.post("/v1/scopes/validate", json={"manifest": "name: [x"}, headers=alice)
     assert bad.status_code == 422
     assert client.get("/v1/submissions", headers=alice).json()["total"] == 0

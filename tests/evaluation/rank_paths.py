@@ -6,6 +6,7 @@ Module-level functions: every spawned rank imports them by the manifest's entry-
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,3 +48,14 @@ def ignores_its_share(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
 
 def always(case: object) -> bool:
     return True
+
+
+def in_the_cp_test_scope(case: Any) -> bool:
+    """The guard of tests/workers/test_runner.py's CP scope: batch 3, context 45, CP 1 or 2."""
+    return (
+        case.dtype == "bfloat16"
+        and case.batch == 3
+        and case.context == 45
+        and case.cp in (1, 2)
+        and case.gpus == 2
+    )

@@ -103,3 +103,10 @@ def test_plan_crosses_gpu_counts_with_the_cp_degrees_that_split_them() -> None:
     small_host = make_plan(manifest, Host("H200", 2), secret_seed=1)
     assert {c.gpus for c in small_host.cases} == {2}
     assert "gpus=8: needs 8x H200, this host has 2" in small_host.not_run
+
+
+def test_a_result_wrong_on_one_rank_fails_the_case_naming_that_rank() -> None:
+    """Rank 0's outputs are right; the last rank's are not: every rank's are checked."""
+    ran = _run("tests.evaluation.rank_paths:wrong_on_the_last_rank")
+    assert ran.outcome.status == "failed", ran.outcome
+    assert ran.outcome.reasons and all(r.startswith("rank 1: ") for r in ran.outcome.reasons)

@@ -286,3 +286,31 @@ def test_child_has_no_network(tmp_path: Path) -> None:
     result = json.loads((workdir / hostile_paths.NETWORK_FILE).read_text())
     assert result["postgres"].startswith("refused:"), result
     assert result["own"] == "connected", result
+
+
+def test_a_context_parallel_scope_runs_on_ranks_inside_the_child(tmp_path: Path) -> None:
+    """The whole engine on a 2-GPU scope with CP 1 and 2, in the sandboxed child as a worker runs
+    it: the ranks are processes of the child that meet over its own loopback."""
+    from tests.evaluation.test_ranks import _manifest
+
+    # the candidate is the baseline itself: out of scope its dispatch must give the stock result
+    data = _manifest("kernels.mla_moe_decode.stock:forward_compiled").model_dump(mode="json")
+    data["workload"]["context_parallel"] = [1, 2]
+    data["path"]["supports"] = "tests.evaluation.rank_paths:in_the_cp_test_scope"
+    request = RunRequest(
+        manifest_yaml=yaml.safe_dump(data),
+        source_dir=REPO_ROOT,
+        device="cpu",
+        quick=True,
+        seed=SEED,
+        gpus=2,
+        timeout_s=600.0,
+        workdir=tmp_path / "work",
+    )
+    outcome = run_in_child(request)
+    assert isinstance(outcome, Finished), outcome
+    evidence = outcome.evidence
+    assert evidence.verdict in ("PASS", "INCONCLUSIVE"), evidence.verdict_reasons
+    assert {(c.gpus, c.cp) for c in evidence.cases} == {(2, 1), (2, 2)}
+    assert all(c.status == "passed" for c in evidence.cases), [c.reasons for c in evidence.cases]
+    assert "--gpus 2" in evidence.run.command

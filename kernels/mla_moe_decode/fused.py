@@ -29,6 +29,12 @@ baseline's exactly. Two architectures are in scope: the real Kimi-K2 TP8/EP8 sha
 and CPU_TEST_CONFIG on the CPU, where the same kernels run under Triton's interpreter (the CuTe
 DSL step then runs as its Triton stand-in). On a GPU without nvidia-cutlass-dsl `forward` raises
 CuteUnavailableError rather than run the stand-in.
+
+Decode context parallelism (`supports_context_parallel`, scopes/kimi-k2-mla-moe-decode-h200-cp):
+on a rank of a CP group (harness.evaluation.ranks.cp_group) `kv_cache` is the rank's slice;
+kernel 7 then merges this rank's splits into one, an all_gather brings the group's, and a second
+combine adds the new token (triton_attention.mla_attention_cp): one kernel more, one
+collective, and the copies that pack and unpack what it gathers.
 """
 
 from __future__ import annotations
@@ -41,12 +47,14 @@ import torch
 import triton
 
 from harness.evaluation.cases import Case
+from harness.evaluation.ranks import cp_group
 from kernels.mla_moe_decode import cute_kernels, stock
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.triton_attention import (
     AttentionBlocks,
     latent_prep,
     mla_attention,
+    mla_attention_cp,
     q_absorb,
     w_uv,
 )
@@ -80,6 +88,8 @@ CPU_TEST_CONFIG = MappingProxyType(
     }
 )
 CPU_CONTEXT = (1, 256)
+CP_GPUS = (2, 4, 8)
+CP_DEGREES = (1, 2, 4, 8)
 # Free in the guard: they change values, not shapes or the kernels' control flow.
 _FREE_FIELDS = (
     "routed_scaling_factor",
@@ -104,6 +114,21 @@ _CPU_ARCH = _architecture(LayerConfig.from_model_config(CPU_TEST_CONFIG))
 def supports(case: Case) -> bool:
     """In scope: bf16, batch 1..64, cp 1, one GPU, and either the real shard's architecture on an
     H200 with context 1024..32768, or CPU_TEST_CONFIG on the CPU with context 1..256."""
+    return case.cp == 1 and case.gpus == 1 and _supports_layer(case)
+
+
+def supports_context_parallel(case: Case) -> bool:
+    """The guard of the decode-CP scope: `supports`' layers and contexts (the whole context,
+    before it is split) on 2, 4 or 8 GPUs, with CP 1, 2, 4 or 8 dividing the GPU count."""
+    return (
+        case.gpus in CP_GPUS
+        and case.cp in CP_DEGREES
+        and case.gpus % case.cp == 0
+        and _supports_layer(case)
+    )
+
+
+def _supports_layer(case: Case) -> bool:
     try:
         config = LayerConfig.from_model_config(case.config)
     except (ValueError, TypeError):
@@ -117,8 +142,6 @@ def supports(case: Case) -> bool:
         and case.dtype == "bfloat16"
         and 1 <= case.batch <= MAX_BATCH
         and low <= case.context <= high
-        and case.cp == 1
-        and case.gpus == 1
     )
 
 
@@ -148,13 +171,18 @@ def _in_scope(config: LayerConfig, weights: Tensors, inputs: Tensors, out: Tenso
     if target is None:
         return False
     architecture, (low, high) = target
+    # Under decode CP the cache is this rank's slice, whose length differs between the ranks
+    # by one: a decision on it could send one rank to the fused kernels and its peer to the
+    # stock path, each then waiting in a collective the other never calls. The guard checked
+    # the whole context; here every rank decides on what the ranks share.
+    context_ok = cp_group() is not None or low <= cache.shape[1] <= high
     tensors = [t for name, t in weights.items() if name != "config"]
     tensors += [*inputs.values(), *out.values()]
     return (
         _architecture(config) == architecture
         and x.dtype == torch.bfloat16
         and 1 <= x.shape[0] <= MAX_BATCH
-        and low <= cache.shape[1] <= high
+        and context_ok
         and all(t.is_contiguous() and t.device == x.device for t in tensors)
     )
 
@@ -205,6 +233,7 @@ def _attention_blocks(
 ) -> AttentionBlocks:
     block_m = max(16, triton.next_power_of_2(batch))
     block_h = max(16, triton.next_power_of_2(c.heads))
+    context = max(context, 1)  # a decode-CP rank's empty slice: one split that holds no token
     if on_gpu:
         # Split the context until every SM has about two (token, split) programs, but keep at
         # least two 32-token tiles per split; the combine then reads splits x 2 KB per head.
@@ -308,7 +337,11 @@ def _attention_and_routing(
     q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention)
     o_lat = x.new_empty(batch, c.heads, c.kv_lora_rank)
     scale = c.qk_head_dim**-0.5  # the stock softmax scale (YaRN's mscale left out, as there)
-    mla_attention(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention)
+    group = cp_group()
+    if group is None:
+        mla_attention(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention)
+    else:  # decode CP: `cache` is this rank's slice; the ranks' partials merge exactly
+        mla_attention_cp(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, group)
     o = x.new_empty(batch, c.heads * v_dim)
     w_uv(o_lat, w["kv_b_proj"], o, nope, plan.attention)
     attn = splitk_gemv(o, w["o_proj"], plan.o_proj)

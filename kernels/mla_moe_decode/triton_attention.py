@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -323,7 +324,9 @@ def _mla_combine_kernel(
     acc_ptr,  # (B, S, H, L) fp32
     q_lat_ptr,  # (B, H, L + R) bf16
     kv_new_ptr,  # (B, L + R) bf16
-    o_ptr,  # (B, H, L) bf16 out
+    o_ptr,  # (B, H, L) out: bf16 attention (FINAL), else fp32 unnormalized sum of the splits
+    merged_max_ptr,  # (B, H) fp32 out unless FINAL: the splits' merged running max
+    merged_sum_ptr,  # (B, H) fp32 out unless FINAL: their merged sum
     n_splits,
     H,
     L,
@@ -334,7 +337,11 @@ def _mla_combine_kernel(
     BLOCK_SC: tl.constexpr,
     BLOCK_LC: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FINAL: tl.constexpr,
 ):
+    """FINAL: the splits and the new token, normalized, as bf16 (the attention). Otherwise one
+    decode-CP rank's splits merged into a single split (max, sum, fp32 sum of the rescaled
+    partials), without the new token: the ranks' merged splits are then combined with FINAL."""
     row = tl.program_id(0)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # (HEADS,)
     head_mask = heads < H
@@ -354,9 +361,13 @@ def _mla_combine_kernel(
     stat_mask = (splits < n_splits)[:, None] & head_mask[None, :]
     split_max = tl.load(max_ptr + stat_at, mask=stat_mask, other=float("-inf"))
     split_sum = tl.load(sum_ptr + stat_at, mask=stat_mask, other=0.0)
-    total_max = tl.maximum(tl.max(split_max, axis=0), score_new)  # (HEADS,)
+    if FINAL:
+        total_max = tl.maximum(tl.max(split_max, axis=0), score_new)  # (HEADS,)
+    else:  # a rank without tokens has only -inf maxima: rescale from 0, not from -inf
+        total_max = tl.max(split_max, axis=0)
+        total_max = tl.where(total_max == float("-inf"), 0.0, total_max)
     weight_new = tl.exp2(score_new - total_max)
-    total = tl.sum(tl.exp2(split_max - total_max[None, :]) * split_sum, axis=0) + weight_new
+    total = tl.sum(tl.exp2(split_max - total_max[None, :]) * split_sum, axis=0)
     ls = col_block * BLOCK_LC + tl.arange(0, BLOCK_LC)
     l_mask = ls < L
     out = tl.zeros((HEADS, BLOCK_LC), dtype=tl.float32)
@@ -372,10 +383,18 @@ def _mla_combine_kernel(
         )  # (BLOCK_SC, HEADS, BLOCK_LC)
         rescale = tl.exp2(chunk_max - total_max[None, :])  # (BLOCK_SC, HEADS)
         out += tl.sum(rescale[:, :, None] * partial, axis=0)
-    latent_new = tl.load(kv_new_ptr + row * width + ls, mask=l_mask, other=0.0).to(tl.float32)
-    out = (out + weight_new[:, None] * latent_new[None, :]) / total[:, None]
     out_at = o_ptr + (row * H + heads)[:, None] * L + ls[None, :]
-    tl.store(out_at, round_bf16(out), mask=head_mask[:, None] & l_mask[None, :])
+    if FINAL:
+        latent_new = tl.load(kv_new_ptr + row * width + ls, mask=l_mask, other=0.0)
+        out += weight_new[:, None] * latent_new.to(tl.float32)[None, :]
+        out = out / (total + weight_new)[:, None]
+        tl.store(out_at, round_bf16(out), mask=head_mask[:, None] & l_mask[None, :])
+    else:
+        tl.store(out_at, out, mask=head_mask[:, None] & l_mask[None, :])
+        if col_block == 0:  # one column block writes the statistics
+            merged_at = row * H + heads
+            tl.store(merged_max_ptr + merged_at, tl.max(split_max, axis=0), mask=head_mask)
+            tl.store(merged_sum_ptr + merged_at, total, mask=head_mask)
 
 
 def mla_attention(
@@ -388,13 +407,50 @@ def mla_attention(
 ) -> None:
     """q_lat (B, H, L+R), kv_cache (B, T, L+R), kv_new (B, L+R) bf16 -> o_lat (B, H, L) bf16:
     softmax(q . [cache; new] * scale) @ [cache; new][:, :L], the split kernel then the combine."""
-    batch, heads, width = q_lat.shape
+    stats, partial = _split_partials(q_lat, kv_cache, o_lat.shape[2], scale, blocks)
+    _combine(stats, partial, q_lat, kv_new, o_lat, None, scale, blocks)
+
+
+def mla_attention_cp(
+    q_lat: torch.Tensor,
+    kv_slice: torch.Tensor,
+    kv_new: torch.Tensor,
+    o_lat: torch.Tensor,
+    scale: float,
+    blocks: AttentionBlocks,
+    group: dist.ProcessGroup,
+) -> None:
+    """Decode context parallelism: as mla_attention, on one rank of `group` holding its slice
+    (B, T_r, L+R) of the cache. This rank's splits merge into one (max, sum, partial), the
+    group all-gathers those (one collective), and every rank combines the ranks' merged splits
+    with the new token as mla_attention combines its own: the same arithmetic, its splits
+    grouped by rank. Collective: every rank of the group calls it."""
+    batch, heads, _ = q_lat.shape
     lora = o_lat.shape[2]
+    stats, partial = _split_partials(q_lat, kv_slice, lora, scale, blocks)
+    merged = torch.empty(2, batch, heads, device=q_lat.device, dtype=torch.float32)
+    merged_partial = torch.empty(batch, heads, lora, device=q_lat.device, dtype=torch.float32)
+    _combine(stats, partial, q_lat, kv_new, merged_partial, (merged[0], merged[1]), scale, blocks)
+    # (B, H, L + 2): the partial, then its max and sum, so that one collective gathers them
+    packed = torch.cat([merged_partial, merged.permute(1, 2, 0)], -1)
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, packed, group=group)
+    ranks = torch.stack(gathered, 1)  # (B, cp, H, L + 2): each rank one split
+    rank_stats = ranks[..., lora:].permute(3, 0, 1, 2).contiguous()  # (2, B, cp, H)
+    rank_partials = ranks[..., :lora].contiguous()
+    _combine(rank_stats, rank_partials, q_lat, kv_new, o_lat, None, scale, blocks)
+
+
+def _split_partials(
+    q_lat: torch.Tensor, kv_cache: torch.Tensor, lora: int, scale: float, blocks: AttentionBlocks
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel: per split, (max, sum) as stats (2, B, S, H) and the partial sums
+    (B, S, H, L), all fp32."""
+    batch, heads, width = q_lat.shape
     context = kv_cache.shape[1]
     splits = blocks.splits
     stats = torch.empty(2, batch, splits, heads, device=q_lat.device, dtype=torch.float32)
     partial = torch.empty(batch, splits, heads, lora, device=q_lat.device, dtype=torch.float32)
-    scale_log2 = scale * LOG2E
     _mla_split_kernel[(batch, splits)](
         q_lat,
         kv_cache,
@@ -406,7 +462,7 @@ def mla_attention(
         lora,
         width - lora,
         blocks.tokens_per_split,
-        scale_log2,
+        scale * LOG2E,
         BLOCK_H=blocks.block_h,
         BLOCK_T=blocks.block_t,
         BLOCK_L=triton.next_power_of_2(lora),
@@ -415,28 +471,46 @@ def mla_attention(
         num_warps=blocks.split_warps,
         num_stages=blocks.split_stages,
     )
-    combine_grid = (
-        batch,
-        triton.cdiv(heads, blocks.combine_heads),
-        triton.cdiv(lora, blocks.combine_cols),
-    )
-    _mla_combine_kernel[combine_grid](
+    return stats, partial
+
+
+def _combine(
+    stats: torch.Tensor,
+    partial: torch.Tensor,
+    q_lat: torch.Tensor,
+    kv_new: torch.Tensor,
+    out: torch.Tensor,
+    merged: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float,
+    blocks: AttentionBlocks,
+) -> None:
+    """The combine kernel over the splits of `partial`: the attention into `out` (bf16) when
+    `merged` is None; else one rank's merged split, its partial into `out` (fp32) and its
+    (max, sum) into `merged`."""
+    batch, splits, heads, lora = partial.shape
+    width = q_lat.shape[2]
+    grid = (batch, triton.cdiv(heads, blocks.combine_heads), triton.cdiv(lora, blocks.combine_cols))
+    merged_max, merged_sum = merged if merged is not None else (stats[0], stats[1])
+    _mla_combine_kernel[grid](
         stats[0],
         stats[1],
         partial,
         q_lat,
         kv_new,
-        o_lat,
+        out,
+        merged_max,
+        merged_sum,
         splits,
         heads,
         lora,
         width - lora,
-        scale_log2,
+        scale * LOG2E,
         HEADS=blocks.combine_heads,
         BLOCK_S=triton.next_power_of_2(splits),
         BLOCK_SC=blocks.combine_splits,
         BLOCK_LC=blocks.combine_cols,
         BLOCK_D=triton.next_power_of_2(width),
+        FINAL=merged is None,
         num_warps=4,
     )
 

@@ -110,3 +110,29 @@ def test_a_result_wrong_on_one_rank_fails_the_case_naming_that_rank() -> None:
     ran = _run("tests.evaluation.rank_paths:wrong_on_the_last_rank")
     assert ran.outcome.status == "failed", ran.outcome
     assert ran.outcome.reasons and all(r.startswith("rank 1: ") for r in ran.outcome.reasons)
+
+
+def test_the_fused_path_under_cp_matches_the_whole_cache_reference() -> None:
+    """The fused kernels (Triton interpreter) on 2 ranks with CP 2: each rank's slice through
+    the split kernel, the ranks' merged splits gathered and combined, against the float64
+    attention over the whole cache; then timed as any case."""
+    ran = _run("kernels.mla_moe_decode.fused:forward", gpus=2, cp=2)
+    assert ran.outcome.status == "passed", ran.outcome
+    assert ran.correctness is not None and ran.correctness.worst_error_ratio <= 1.5
+    assert ran.performance is not None and ran.performance.candidate_us_median > 0
+
+
+def test_the_cp_showcase_scope_is_one_job_per_gpu_count_and_its_guard_fits_its_plan() -> None:
+    from pathlib import Path
+
+    from kernels.mla_moe_decode.fused import supports_context_parallel
+    from scopes.manifest import load_manifest_file
+    from workers.routing import queues_for_manifest
+
+    scope = Path(__file__).resolve().parents[2] / "scopes" / "kimi-k2-mla-moe-decode-h200-cp.yaml"
+    manifest = load_manifest_file(scope)
+    assert queues_for_manifest(manifest) == ["gpu.h200.x2", "gpu.h200.x4", "gpu.h200.x8"]
+    plan = make_plan(manifest, Host("H200", 8), secret_seed=1, quick=True)
+    assert all(supports_context_parallel(case) for case in plan.cases)
+    assert not any(supports_context_parallel(probe) for probe in plan.probes)
+    assert make_plan(manifest, Host("H200", 1), secret_seed=1).runnable is False

@@ -228,3 +228,50 @@ def test_distributed_attention_equals_the_single_process_form(world_size: int) -
         q, kv, new = _inputs(batch, context, batch + context, torch.float32)
         root = outcome.root[index, "float32"][1]
         torch.testing.assert_close(root.double(), _reference(q, kv, new), rtol=2e-5, atol=2e-6)
+
+
+# --- the fused path's Triton attention under CP (kernels/mla_moe_decode/triton_attention.py) ---
+
+
+def fused_cp_rank(rank: int, world_size: int, cases: CpCases) -> dict[int, torch.Tensor]:
+    """Per case: the attention `mla_attention_cp` gives this rank, holding its slice only."""
+    import torch.distributed as dist
+
+    from kernels.mla_moe_decode.fused import layer_plan
+    from kernels.mla_moe_decode.triton_attention import mla_attention_cp
+
+    results = {}
+    for index, (batch, context, sizes) in enumerate(cases):
+        q, kv, new = _inputs(batch, context, batch + context, torch.bfloat16)
+        own = rank_slice(kv, sizes, rank).contiguous()
+        del kv
+        blocks = layer_plan(CONFIG, batch, own.shape[1], False, 0).attention
+        out = torch.empty(batch, CONFIG.heads, LORA, dtype=torch.bfloat16)
+        mla_attention_cp(q, own, new, out, SCALE, blocks, dist.group.WORLD)
+        results[index] = out
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fused_cp_attention_equals_the_fused_attention_over_the_whole_cache(
+    world_size: int,
+) -> None:
+    """Every rank gets the one-process fused result up to fp32 regrouping (one bf16 rounding at
+    most), as close to the float64 reference; empty slices included."""
+    from kernels.mla_moe_decode.fused import layer_plan
+    from kernels.mla_moe_decode.triton_attention import mla_attention
+
+    cases = DISTRIBUTED_CASES[world_size]
+    outcome = run_on_ranks(fused_cp_rank, world_size, "gloo", 300.0, (cases,))
+    assert isinstance(outcome, RanksFinished), outcome
+    for index, (batch, context, _) in enumerate(cases):
+        q, kv, new = _inputs(batch, context, batch + context, torch.bfloat16)
+        whole = torch.empty(batch, CONFIG.heads, LORA, dtype=torch.bfloat16)
+        mla_attention(
+            q, kv, new, whole, SCALE, layer_plan(CONFIG, batch, context, False, 0).attention
+        )
+        reference = _reference(q, kv, new)
+        for rank in range(world_size):
+            got = outcome.results[rank][index]
+            torch.testing.assert_close(got, whole, rtol=2**-7, atol=1e-3)
+            assert _relative_error(got, reference) <= 1.1 * _relative_error(whole, reference)

@@ -303,6 +303,17 @@ def test_guard_refuses(case: Case) -> None:
     assert fused.supports(case) is False
 
 
+def test_the_context_parallel_guard_takes_2_4_8_gpus_with_a_dividing_cp_degree() -> None:
+    for gpus, cp in ((2, 1), (2, 2), (4, 2), (4, 4), (8, 1), (8, 8)):
+        assert fused.supports_context_parallel(_case(8, 8192, "bfloat16", "H200", cp, gpus, {}))
+        assert fused.supports_context_parallel(_case(3, 45, cp=cp, gpus=gpus))
+    refused = [(1, 1), (2, 4), (4, 3), (8, 16), (16, 8), (3, 1)]
+    for gpus, cp in refused:
+        assert not fused.supports_context_parallel(_case(8, 8192, "bfloat16", "H200", cp, gpus, {}))
+    assert not fused.supports_context_parallel(_case(8, 32769, "bfloat16", "H200", 2, 2, {}))
+    assert not fused.supports_context_parallel(_case(8, 8192, "float16", "H200", 2, 2, {}))
+
+
 # Each kernel against a torch reference.
 
 

@@ -314,3 +314,10 @@ def test_a_context_parallel_scope_runs_on_ranks_inside_the_child(tmp_path: Path)
     assert {(c.gpus, c.cp) for c in evidence.cases} == {(2, 1), (2, 2)}
     assert all(c.status == "passed" for c in evidence.cases), [c.reasons for c in evidence.cases]
     assert "--gpus 2" in evidence.run.command
+    # the issue-9 table, as benchmarks/cp_table.py prints it from such evidence
+    from benchmarks.cp_table import markdown, rows
+
+    table = rows(evidence)
+    assert [(r["cp"], r["correctness"]) for r in table] == [(1, "passed"), (2, "passed")]
+    assert table[0]["speedup_vs_cp1"] == 1.0 and table[1]["speedup_vs_cp1"] > 0
+    assert "| 2 | 3 | 45 | 2 | " in markdown(table, evidence)

@@ -7,6 +7,7 @@ float64 reference attends over the whole cache on one process.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import MappingProxyType
 
 import pytest
@@ -123,8 +124,6 @@ def test_the_fused_path_under_cp_matches_the_whole_cache_reference() -> None:
 
 
 def test_the_cp_showcase_scope_is_one_job_per_gpu_count_and_its_guard_fits_its_plan() -> None:
-    from pathlib import Path
-
     from kernels.mla_moe_decode.fused import supports_context_parallel
     from scopes.manifest import load_manifest_file
     from workers.routing import queues_for_manifest
@@ -136,3 +135,27 @@ def test_the_cp_showcase_scope_is_one_job_per_gpu_count_and_its_guard_fits_its_p
     assert all(supports_context_parallel(case) for case in plan.cases)
     assert not any(supports_context_parallel(probe) for probe in plan.probes)
     assert make_plan(manifest, Host("H200", 1), secret_seed=1).runnable is False
+
+
+# --- on GPUs: NCCL, rank r on GPU r (skipped with fewer than two) ---
+
+GPU_FAST = StopRule(20, 20, 30.0, 0.05, pairs_per_batch=10, captures=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("cp", [1, 2])
+def test_the_fused_layer_under_cp_on_two_gpus(cp: int) -> None:
+    """The real Kimi-K2 shard's fused layer on 2 GPUs (NCCL) at CP 1 and 2, against the compiled
+    stock with the same CP degree and the float64 attention over the whole cache."""
+    from kernels.mla_moe_decode.fused import supports_context_parallel
+    from scopes.manifest import load_manifest_file
+
+    scope = Path(__file__).resolve().parents[2] / "scopes" / "kimi-k2-mla-moe-decode-h200-cp.yaml"
+    manifest = load_manifest_file(scope)
+    config = MappingProxyType(dict(manifest.model.config))
+    case = Case(8, 8192, cp, 2, "bfloat16", "H200", config=config)
+    assert supports_context_parallel(case)
+    ran = run_case_on_ranks(manifest, case, 11, 1, GPU_FAST, 4, torch.device("cuda"), 600.0)
+    assert ran.outcome.status == "passed", ran.outcome
+    assert ran.performance is not None and ran.performance.speedup > 1.0

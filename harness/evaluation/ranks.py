@@ -14,7 +14,8 @@ Every rank runs the engine's own correctness check and timing on its share:
   agree whether all passed, so they stop together;
 - timing: the same fixed number of stock/candidate pairs on every rank (an adaptive stop could
   end one rank's schedule before a peer's, leaving that peer in a collective), interleaved as
-  on one GPU; sample i's time is the slowest rank's sample i (distributed.slowest_rank_us).
+  on one GPU; sample i's time is the slowest rank's sample i (distributed.slowest_rank_us);
+  then the replay check and one more correctness trial, as on one GPU.
 
 The parent gets every rank's result (results gathered to it; rank 0 is the root): the case's
 correctness is rank 0's unless some rank failed (then the first such rank's, its reasons

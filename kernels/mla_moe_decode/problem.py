@@ -89,12 +89,14 @@ class Problem:
     def bytes_moved(self, case: Case) -> int:
         """Expected fewest bytes per layer: every dense weight, the local experts that
         uniformly spread routing activates on average (`expected_local_experts`), one read
-        of the KV cache, the inputs and outputs. `floor_bytes` is the exact count for given
-        inputs."""
+        of the KV cache (under decode CP, of the largest rank's slice), the inputs and
+        outputs. `floor_bytes` is the exact count for given inputs."""
         c, dtype = self.config, _dtype(case)
         dense, per_expert = _weight_bytes(c, dtype)
         experts = expected_local_experts(c, case.batch)
-        kv_bytes = case.batch * _context(case) * c.latent_dim * _itemsize(dtype)
+        # under decode CP a rank reads its slice; the largest (near_equal_sizes) sets the pace
+        slice_tokens = -(-_context(case) // case.cp)
+        kv_bytes = case.batch * slice_tokens * c.latent_dim * _itemsize(dtype)
         return round(dense + experts * per_expert + kv_bytes + _io_bytes(c, case.batch, dtype))
 
     def floor_bytes(self, case: Case, weights: Tensors, inputs: Tensors) -> int:

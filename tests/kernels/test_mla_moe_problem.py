@@ -320,6 +320,9 @@ def test_bytes_moved_at_kimi_k2_shard_size() -> None:
     kv = 8192 * 576 * 2
     io = (4 * 7168 + 576) * 2 + 8
     assert problem.bytes_moved(case) == round(dense + per_expert + kv + io)
+    # decode CP: each rank reads its slice, the largest sets the pace (8193 = 2049 + 3 x 2048)
+    at_cp4 = Case(1, 8193, cp=4, gpus=4, dtype="bfloat16", gpu="H200")
+    assert problem.bytes_moved(at_cp4) == round(dense + per_expert + 2049 * 576 * 2 + io)
 
 
 def test_the_second_decode_step_sees_the_first_steps_token_in_its_window() -> None:

@@ -275,8 +275,9 @@ def replay_mismatches(
     The candidate's own eager call is the yardstick, not the stock path: two paths that round
     differently may route a near-tie MoE token differently, which is not a stale output. Whether
     the eager result itself is still right after the timed runs is a correctness trial's
-    question (engine.measure_case runs one next). Rows the problem calls near-tie decisions
-    are left out, capped over all the layers' rows together: no redraw is possible here.
+    question (engine.still_correct_after_timing, run after this). Rows the problem calls
+    near-tie decisions are left out, capped over all the layers' rows together: no redraw is
+    possible here.
     The first disagreement per capture is reported."""
     expected = _eager_outputs(candidate_fn, layer_set, device)
     keeps = pooled_comparable_rows(problem, [(w, i) for w, i, _ in layer_set.args])

@@ -60,9 +60,3 @@ def in_the_cp_test_scope(case: Any) -> bool:
         and case.gpus == 2
     )
 
-
-def fused_under_cp_on_cpu(case: Any) -> bool:
-    """The fused path's CP guard (its CPU test layer, batch 3, context 45)."""
-    from kernels.mla_moe_decode.fused import supports_context_parallel
-
-    return supports_context_parallel(case)

@@ -59,4 +59,3 @@ def in_the_cp_test_scope(case: Any) -> bool:
         and case.cp in (1, 2)
         and case.gpus == 2
     )
-

@@ -21,6 +21,10 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
     python3 benchmarks/mla_moe_device_check.py                  # about 6-8 min on an H200
     python3 benchmarks/mla_moe_device_check.py --quick          # about 3 min
     python3 benchmarks/mla_moe_device_check.py --only-kernels   # part 1 only
+    python3 benchmarks/mla_moe_device_check.py --sweep-pdl      # instead of parts 1 and 2:
+        the fused layer with programmatic dependent launch off / "wait" / "prefetch"
+        (triton_common.dependent_launch), each against "off" in alternating replays, and
+        whether the three give the same bits
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -53,7 +57,7 @@ from harness.evaluation.environment import hbm_bytes_per_s
 from harness.evaluation.profiling import profile_step
 from harness.evaluation.stats import median
 from harness.evaluation.timing import LayerSet, capture_graph, run_layers, timed_pairs
-from kernels.mla_moe_decode import cute_kernels, fused, stock
+from kernels.mla_moe_decode import cute_kernels, fused, stock, triton_common
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem, activated_local_experts
 from kernels.mla_moe_decode.triton_attention import latent_prep, mla_attention, q_absorb, w_uv
@@ -655,6 +659,80 @@ def _differences(got: list[Tensors], expected: list[Tensors]) -> dict[str, float
     return result
 
 
+# Programmatic dependent launch: the same fused layer, launched three ways.
+
+
+@dataclass
+class PdlRow:
+    batch: int
+    context: int
+    us: dict[str, float] = field(default_factory=dict)  # mode -> µs per layer
+    off_us: dict[str, float] = field(default_factory=dict)  # mode -> "off" in the same pairs
+    same_bits: dict[str, bool] = field(default_factory=dict)  # mode -> outputs equal to "off"
+    errors: list[str] = field(default_factory=list)
+
+
+def sweep_pdl(problem: Problem, cases: list[tuple[int, int]], t: Target) -> list[PdlRow]:
+    weights = [problem.make_weights(_case(1, 1024, t), seed, t.device) for seed in range(LAYERS)]
+    rows = []
+    for batch, context in cases:
+        row = PdlRow(batch, context)
+        try:
+            _compare_pdl_modes(problem, weights, _case(batch, context, t), row, t)
+        except Exception as exc:  # fail soft: report and go on
+            row.errors.append(_describe(exc))
+        finally:
+            triton_common.dependent_launch = "prefetch"
+        _sync(t)
+        _empty_cache(t)
+        rows.append(row)
+        print(asdict(row), flush=True)
+    return rows
+
+
+def _compare_pdl_modes(
+    problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
+) -> None:
+    inputs = [problem.make_inputs(case, 1000 + layer, t.device) for layer in range(LAYERS)]
+    pairs = list(zip(weights, inputs, strict=True))
+    steps, outputs = {}, {}
+    for mode in triton_common.DEPENDENT_LAUNCH_MODES:
+        triton_common.dependent_launch = mode  # read at capture: the graph keeps its launches
+        layer_set, outputs[mode] = _layers(problem, pairs, case, t)
+        steps[mode] = _step(fused.forward, layer_set, t)
+        steps[mode]()
+    _sync(t)
+    for mode in ("wait", "prefetch"):
+        row.same_bits[mode] = all(
+            torch.equal(mine[name], theirs[name])
+            for mine, theirs in zip(outputs[mode], outputs["off"], strict=True)
+            for name in mine
+        )
+        samples = timed_pairs(steps[mode], steps["off"], PAIRS if t.on_gpu else 2, t.device)
+        row.us[mode] = median([a for a, _ in samples]) / LAYERS
+        row.off_us[mode] = median([b for _, b in samples]) / LAYERS
+
+
+def print_pdl_table(rows: list[PdlRow]) -> None:
+    print(
+        "\n| batch | context | off µs | wait µs | prefetch µs | wait / off | prefetch / off "
+        "| same bits |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        if row.errors:
+            print(f"| {row.batch} | {row.context} | error: {'; '.join(row.errors)[:200]} |")
+            continue
+        off = median(list(row.off_us.values()))
+        wait, prefetch = row.us["wait"], row.us["prefetch"]
+        same = all(row.same_bits.values())
+        print(
+            f"| {row.batch} | {row.context} | {off:.1f} | {wait:.1f} | {prefetch:.1f} "
+            f"| {wait / row.off_us['wait']:.3f} | {prefetch / row.off_us['prefetch']:.3f} "
+            f"| {same} |"
+        )
+
+
 # Shared helpers and output.
 
 
@@ -788,6 +866,23 @@ def main() -> None:
         environment["fused_input_norm"] = "Triton add+RMSNorm standing in for the CuTe DSL kernel"
     print(f"{environment}; copy {copy_bw / 1e12:.3f} TB/s, read {read_bw / 1e12:.3f} TB/s")
     batches = [1, 64] if args.quick else [1, 8, 64]
+    contexts = [8192] if args.quick else [1024, 8192, 32768]
+    if args.small:
+        contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
+    if args.sweep_pdl:
+        print("== programmatic dependent launch", flush=True)
+        pdl_rows = sweep_pdl(problem, [(b, c) for b in batches for c in contexts], t)
+        _write(
+            args.out,
+            {
+                "environment": environment,
+                "is_gpu_evidence": t.on_gpu,
+                "layers_per_graph": LAYERS,
+                "pdl": [asdict(r) for r in pdl_rows],
+            },
+        )
+        print_pdl_table(pdl_rows)
+        return
     if args.sweep_moe:
         print("== MoE tiles", flush=True)
         kernel_rows = sweep_moe(problem, batches, t)
@@ -797,9 +892,6 @@ def main() -> None:
         kernel_rows = part_kernels(problem, batches, t, tuple(args.skip))
     layer_rows: list[LayerRow] = []
     if not args.only_kernels:
-        contexts = [8192] if args.quick else [1024, 8192, 32768]
-        if args.small:
-            contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
         print("== part 2: the layer (fused, stock eager, stock compiled)", flush=True)
         cases = [(batch, context) for batch in batches for context in contexts]
         layer_rows = part_layer(problem, cases, read_bw, t)
@@ -815,10 +907,14 @@ def main() -> None:
         "kernels": [asdict(row) for row in kernel_rows],
         "layer": [asdict(row) for row in layer_rows],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _write(args.out, result)
     print(f"wrote {args.out} after {elapsed:.0f} s")
     print_tables(kernel_rows, layer_rows)
+
+
+def _write(path: Path, result: dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def _parse_args() -> argparse.Namespace:
@@ -828,6 +924,11 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="CPU smoke run at test sizes")
     parser.add_argument(
         "--sweep-moe", action="store_true", help="instead of parts 1 and 2: the MoE's tiles"
+    )
+    parser.add_argument(
+        "--sweep-pdl",
+        action="store_true",
+        help="instead of parts 1 and 2: the fused layer, dependent launch off / wait / prefetch",
     )
     parser.add_argument(
         "--skip", nargs="*", default=[], help="kernel checks to leave out, e.g. input_norm"

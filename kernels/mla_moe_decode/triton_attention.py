@@ -33,12 +33,14 @@ import triton.language as tl
 
 from kernels.mla_moe_decode.triton_common import (
     mma,
+    pdl_options,
     rms_normalize,
     rotate_pairs,
     round_bf16,
     round_bf16_f32,
     rows_per_program,
     sum_splits,
+    wait_for_previous_kernel,
 )
 
 LOG2E = math.log2(math.e)
@@ -83,7 +85,9 @@ def _latent_prep_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_HALF_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = (rows < B)[:, None]  # (ROWS, 1)
     base = rows[:, None] * (Q + L + R)  # (ROWS, 1)
@@ -149,6 +153,7 @@ def latent_prep(
         BLOCK_L=triton.next_power_of_2(lora),
         BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
         num_warps=4,
+        **pdl_options(parts.device),
     )
 
 
@@ -175,7 +180,9 @@ def _q_absorb_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_HALF_R: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     head = tl.program_id(0)
     col_block = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -245,6 +252,7 @@ def q_absorb(
         BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
         DOT_F32=not parts.is_cuda,
         num_warps=4,
+        **pdl_options(parts.device),
     )
 
 
@@ -269,7 +277,9 @@ def _mla_split_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -338,10 +348,12 @@ def _mla_combine_kernel(
     BLOCK_LC: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FINAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """FINAL: the splits and the new token, normalized, as bf16 (the attention). Otherwise one
     decode-CP rank's splits merged into a single split (max, sum, fp32 sum of the rescaled
     partials), without the new token: the ranks' merged splits are then combined with FINAL."""
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # (HEADS,)
     head_mask = heads < H
@@ -470,6 +482,7 @@ def _split_partials(
         DOT_F32=not q_lat.is_cuda,
         num_warps=blocks.split_warps,
         num_stages=blocks.split_stages,
+        **pdl_options(q_lat.device),
     )
     return stats, partial
 
@@ -512,6 +525,7 @@ def _combine(
         BLOCK_D=triton.next_power_of_2(width),
         FINAL=merged is None,
         num_warps=4,
+        **pdl_options(stats[0].device),
     )
 
 
@@ -532,7 +546,9 @@ def _w_uv_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     head = tl.program_id(0)
     col_block = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -579,4 +595,5 @@ def w_uv(
         BLOCK_K=min(128, triton.next_power_of_2(lora)),
         DOT_F32=not o_lat.is_cuda,
         num_warps=4,
+        **pdl_options(o_lat.device),
     )

@@ -9,12 +9,29 @@
 - `sum_splits`: the deterministic reduction of split-K partial sums, in split order.
 - `rms_normalize`, `rotate_pairs`: the stock path's RMSNorm and GPT-J RoPE, same roundings.
 - `rows_per_program` (host side): how many token rows the row-wise kernels give a program.
+- `dependent_launch`, `pdl_options` (host side), `wait_for_previous_kernel`, `prefetch_l2`:
+  programmatic dependent launch (PDL, sm_90+). Each kernel of the layer is launched with the
+  PDL attribute and first lets its successor launch, then waits until its predecessor has
+  finished and flushed its writes. The successor's programs are thus already resident when the
+  predecessor ends, and the launch gap between dependent kernels (a few µs in a graph, most of
+  the batch-1 time) shrinks. Before waiting, a kernel may touch only memory no kernel of the
+  layer writes (weights): `prefetch_l2` pulls its weight slice into L2 during the wait.
+  Every kernel waits before its first dependent read or any write, so the order of effects is
+  exactly the unchained one; a non-PDL kernel (the CuTe DSL norm, any torch op) still waits
+  for everything before it in the usual way.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+# "wait": kernels launch early and wait at their start; "prefetch": the GEMVs also pull their
+# weight slice into L2 while they wait; "off": plain launches. Benchmarks switch it to compare
+# (benchmarks/mla_moe_device_check.py --sweep-pdl); the CPU interpreter always runs "off".
+DEPENDENT_LAUNCH_MODES = ("off", "wait", "prefetch")
+dependent_launch = "prefetch"
 
 
 @triton.jit
@@ -82,3 +99,45 @@ def rows_per_program(batch: int, on_gpu: bool) -> int:
     """Token rows per program of the row-wise kernels: one on the GPU (B programs, each a full
     row in registers); on the CPU up to 16, because the interpreter pays per program."""
     return 1 if on_gpu else min(16, triton.next_power_of_2(batch))
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a layer kernel: the PDL constexpr (wait at the start) and
+    Triton's launch_pdl attribute. Off on the CPU and before sm_90 (no griddepcontrol)."""
+    if dependent_launch not in DEPENDENT_LAUNCH_MODES:
+        raise ValueError(f"dependent_launch {dependent_launch!r}: one of {DEPENDENT_LAUNCH_MODES}")
+    on = dependent_launch != "off" and device.type == "cuda" and _sm90_or_later(device.index)
+    # launch_pdl only when on: the interpreter has no such launch option
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+def prefetch_weights(device: torch.device) -> bool:
+    """Whether the GEMVs prefetch their weight slice while they wait (mode "prefetch")."""
+    return dependent_launch == "prefetch" and pdl_options(device)["PDL"]
+
+
+def _sm90_or_later(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """Let the next kernel launch, then wait for the previous one (no-op without PDL). Called
+    before a kernel's first dependent read or any write."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(pointers):
+    """Ask L2 for the 128-byte lines of `pointers` (one pointer per line is enough). No result,
+    no effect on values; only for memory that no kernel of the layer writes."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // $0 unused",
+        "=r,l",
+        [pointers],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

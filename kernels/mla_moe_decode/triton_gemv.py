@@ -9,6 +9,10 @@ memory system, not for FLOPs: enough programs (about two per SM) that every SM k
 flight, each streaming tens of KB or more. Rows are padded to BLOCK_M >= 16 because the tensor
 core MMA needs 16 rows; the padding costs MMA issue slots only, no memory traffic (masked loads).
 
+With programmatic dependent launch (triton_common) a program first asks L2 for its whole
+weight slice, then waits for the kernel before it: the weights, which nothing in the layer
+writes, stream in while the previous kernel finishes.
+
 The partial sums are not added here: the next kernel (a norm, the q absorption, the routing)
 adds the splits in order while it reads its input. That keeps the result deterministic with no
 atomics and no extra launch.
@@ -22,7 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mla_moe_decode.triton_common import mma
+from kernels.mla_moe_decode.triton_common import (
+    mma,
+    pdl_options,
+    prefetch_l2,
+    prefetch_weights,
+    wait_for_previous_kernel,
+)
 
 # Programs per SM the GPU grids aim for: one program rarely keeps enough loads in flight to
 # reach its share of HBM bandwidth; two to four per SM do, and keep the tail wave short.
@@ -84,6 +94,8 @@ def _splitk_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     column_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -92,6 +104,12 @@ def _splitk_gemv_kernel(
     row_mask = rows < M
     col_mask = cols < N
     k_start = split * k_per_split
+    if PREFETCH:  # one pointer per 128-byte line (64 bf16) of this program's weight slice
+        lines = tl.minimum(cols, N - 1)[:, None] * K
+        for k_offset in range(0, k_per_split, BLOCK_K):
+            line_ks = k_start + k_offset + tl.arange(0, BLOCK_K // 64) * 64
+            prefetch_l2(w_ptr + lines + tl.minimum(line_ks, K - 1)[None, :])
+    wait_for_previous_kernel(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_offset in range(0, k_per_split, BLOCK_K):
         ks = k_start + k_offset + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -131,7 +149,9 @@ def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> to
         BLOCK_N=blocks.block_n,
         BLOCK_K=blocks.block_k,
         DOT_F32=not x.is_cuda,
+        PREFETCH=prefetch_weights(x.device),
         num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,
+        **pdl_options(x.device),
     )
     return parts

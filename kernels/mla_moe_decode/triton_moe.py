@@ -33,10 +33,12 @@ import triton.language as tl
 
 from kernels.mla_moe_decode.triton_common import (
     mma,
+    pdl_options,
     round_bf16,
     round_bf16_f32,
     rows_per_program,
     sum_splits,
+    wait_for_previous_kernel,
 )
 
 
@@ -67,7 +69,9 @@ def _route_kernel(
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < B
     experts = tl.arange(0, BLOCK_E)
@@ -126,6 +130,7 @@ def route(
         BLOCK_E=triton.next_power_of_2(experts_total),
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4,
+        **pdl_options(parts.device),
     )
     return ids, weights
 
@@ -171,7 +176,9 @@ def _gate_up_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     expert = tl.program_id(0)
     col_block = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -263,7 +270,9 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     col_block = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
@@ -365,6 +374,7 @@ def fused_moe(
         BLOCK_I=blocks.gate_up_cols,
         BLOCK_K=blocks.gate_up_k,
         **common,
+        **pdl_options(h.device),
     )
     _down_kernel[(triton.cdiv(hidden, blocks.down_cols),)](
         act,
@@ -382,4 +392,5 @@ def fused_moe(
         BLOCK_N=blocks.down_cols,
         BLOCK_K=blocks.down_k,
         **common,
+        **pdl_options(act.device),
     )

@@ -18,11 +18,13 @@ import triton
 import triton.language as tl
 
 from kernels.mla_moe_decode.triton_common import (
+    pdl_options,
     rms_normalize,
     round_bf16,
     round_bf16_f32,
     rows_per_program,
     sum_splits,
+    wait_for_previous_kernel,
 )
 
 
@@ -40,7 +42,9 @@ def _add_rmsnorm_kernel(
     eps,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < B)[:, None] & (cols < D)[None, :]  # (ROWS, BLOCK_D)
@@ -80,4 +84,5 @@ def add_rmsnorm(
         ROWS=rows,
         BLOCK_D=block,
         num_warps=min(16, max(1, block // 512)),
+        **pdl_options(parts.device),
     )

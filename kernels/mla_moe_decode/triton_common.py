@@ -31,7 +31,7 @@ import triton.language as tl
 # weight slice into L2 while they wait; "off": plain launches. Benchmarks switch it to compare
 # (benchmarks/mla_moe_device_check.py --sweep-pdl); the CPU interpreter always runs "off".
 DEPENDENT_LAUNCH_MODES = ("off", "wait", "prefetch")
-dependent_launch = "prefetch"
+dependent_launch = "off"
 
 
 @triton.jit

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import secrets
 import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -54,31 +57,48 @@ def validate(
     gpus: Annotated[
         int | None, typer.Option(help="only the cases of this GPU count (as a gpu.<kind>.xN job)")
     ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(help="finish an interrupted run from the checkpoint.json in --out"),
+    ] = False,
 ) -> None:
     """Run the scope's plan: correctness, timing and claims, stock vs candidate; exit 0 on PASS,
-    1 on FAIL, 3 on INCONCLUSIVE, 4 on NEEDS_REVIEW, 2 on a bad manifest or usage."""
+    1 on FAIL, 3 on INCONCLUSIVE, 4 on NEEDS_REVIEW, 2 on a bad manifest or usage. After every
+    case the cases so far go to checkpoint.json in the output folder; `--resume` (with the
+    same options) runs only the cases an interrupted run had not finished."""
+    from harness.evaluation import checkpoint
     from harness.evaluation.engine import EngineOptions, evaluate, reproduce_command
     from harness.reports.markdown import render_markdown
 
     manifest = _load_or_exit(scope)
     out_dir = out or get_settings().output_dir / manifest.name
+    checkpoint_path = out_dir / checkpoint.FILE_NAME
+    try:
+        earlier = checkpoint.read(checkpoint_path) if resume else None
+    except checkpoint.ResumeRefused as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=False)
+        raise typer.Exit(EXIT_USAGE) from None
+    if earlier is not None and seed is None:
+        seed = earlier.seed  # the plan is a function of the seed: the same cases
     command_seed = seed if seed is not None else secrets.randbits(63)
     command = reproduce_command(str(scope), device.value, quick, command_seed, gpus)
     options = EngineOptions(
-        device=device.value, quick=quick, seed=command_seed, gpus=gpus, command=command
+        device=device.value,
+        quick=quick,
+        seed=command_seed,
+        gpus=gpus,
+        command=command,
+        checkpoint=checkpoint_path,
+        resume=earlier,
     )
     try:
         with _progress() as progress:
-            task = progress.add_task("starting", total=None)
-
-            def report(done: int, total: int, label: str) -> None:
-                progress.update(task, completed=done, total=total, description=label)
-
-            evidence = evaluate(manifest, options, report)
-    except DeviceUnavailable as exc:
-        console.print(f"[red]error:[/red] {exc}")
+            evidence = evaluate(manifest, options, progress)
+    except (DeviceUnavailable, checkpoint.ResumeRefused) as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=False)
         raise typer.Exit(EXIT_USAGE) from None
     _write(out_dir, evidence, render_markdown(evidence))
+    checkpoint_path.unlink(missing_ok=True)  # the evidence holds every case now
     _print_summary(evidence, out_dir)
     raise typer.Exit(EXIT_CODES[evidence.verdict])
 
@@ -199,15 +219,25 @@ def _load_or_exit(scope: Path) -> ScopeManifest:
         raise typer.Exit(EXIT_USAGE) from None
 
 
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    )
+@contextmanager
+def _progress() -> Iterator[Callable[[int, int, str], None]]:
+    """A progress callback: a live bar on a terminal; elsewhere (a log, a remote job) one
+    plain line per step, since a bar that is never drawn leaves a long run silent."""
+    if not console.is_terminal:
+        started = time.perf_counter()
+
+        def log(done: int, total: int, label: str) -> None:
+            elapsed = time.perf_counter() - started
+            console.print(f"[{done}/{total}] {elapsed:.0f} s  {label}", markup=False)
+
+        yield log
+        return
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        yield lambda done, total, label: bar.update(
+            task, completed=done, total=total, description=label
+        )
 
 
 def _write(out_dir: Path, evidence: Evidence, markdown: str) -> None:

@@ -101,3 +101,87 @@ def test_schema_command_prints_json_schema() -> None:
     result = CliRunner().invoke(app, ["schema"])
     assert result.exit_code == 0
     assert "verdict" in json.loads(result.stdout)["properties"]
+
+
+# An interrupted run, finished with --resume.
+
+
+class _Interrupted(Exception):
+    """Stands for the machine going away mid-run."""
+
+
+def _count_cases(monkeypatch, stop_after: int | None = None) -> list[str]:
+    """Count the cases the engine really runs; optionally stop the run after `stop_after`."""
+    from harness.evaluation import engine
+
+    ran: list[str] = []
+    real_run_case = engine.run_case
+
+    def counting_run_case(path, case, *args, **kwargs):
+        if stop_after is not None and len(ran) == stop_after:
+            raise _Interrupted
+        ran.append(case.id)
+        return real_run_case(path, case, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "run_case", counting_run_case)
+    return ran
+
+
+def test_progress_is_one_line_per_step_outside_a_terminal(tmp_path: Path) -> None:
+    code, output, evidence = _validate(tmp_path, _small_scope(tmp_path, []))
+    assert code == 0, output
+    steps = [line for line in output.splitlines() if line.startswith("[")]
+    total = len(evidence["cases"]) + len(evidence["probes"])
+    assert steps[0].startswith(f"[0/{total}] ")
+    assert steps[0].endswith(evidence["cases"][0]["id"])
+    assert steps[-1].startswith(f"[{total}/{total}] ") and steps[-1].endswith("done")
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(tmp_path: Path, monkeypatch) -> None:
+    scope = _small_scope(tmp_path, [])
+    out = tmp_path / "out"
+    ran = _count_cases(monkeypatch, stop_after=2)
+    args = ["validate", str(scope), "--device", "cpu", "--quick", "--out", str(out)]
+    first = CliRunner().invoke(app, args)
+    assert isinstance(first.exception, _Interrupted)
+    saved = json.loads((out / "checkpoint.json").read_text())
+    assert [c["id"] for c in saved["cases"]] == ran and len(ran) == 2
+    assert not (out / "evidence.json").exists()
+
+    monkeypatch.undo()
+    ran_again = _count_cases(monkeypatch)
+    second = CliRunner().invoke(app, [*args, "--resume"])
+    assert second.exit_code == 0, second.output
+    evidence = json.loads((out / "evidence.json").read_text())
+    ids = [c["id"] for c in evidence["cases"]]
+    assert ids[:2] == ran and ran_again == ids[2:]  # nothing measured twice, nothing skipped
+    assert evidence["cases"][:2] == saved["cases"]  # carried over as measured
+    assert evidence["run"]["seed"] == saved["seed"]
+    assert evidence["run"]["started_at"] == saved["started_at"]
+    assert any(n.startswith("resumed: 2 case(s) carried over") for n in evidence["notes"])
+    assert "resumed: 2 case(s)" in (out / "report.md").read_text()
+    assert not (out / "checkpoint.json").exists()
+
+
+def test_a_resume_under_other_settings_is_refused(tmp_path: Path, monkeypatch) -> None:
+    scope = _small_scope(tmp_path, [])
+    out = tmp_path / "out"
+    args = ["validate", str(scope), "--device", "cpu", "--quick", "--out", str(out)]
+    missing = CliRunner().invoke(app, [*args, "--resume"])
+    assert missing.exit_code == 2 and "no checkpoint" in missing.output
+
+    _count_cases(monkeypatch, stop_after=1)
+    CliRunner().invoke(app, args)
+    monkeypatch.undo()
+    saved = (out / "checkpoint.json").read_text()
+    other_seed = CliRunner().invoke(app, [*args, "--resume", "--seed", "7"])
+    assert other_seed.exit_code == 2 and "cannot resume: seed" in other_seed.output
+    data = yaml.safe_load(scope.read_text())
+    data["tolerance"]["error_budget"] = 3.0
+    scope.write_text(yaml.safe_dump(data))
+    other_scope = CliRunner().invoke(app, [*args, "--resume"])
+    assert other_scope.exit_code == 2 and "the scope manifest changed" in other_scope.output
+    assert (out / "checkpoint.json").read_text() == saved  # a refusal loses nothing
+    (out / "checkpoint.json").write_text("{not json")
+    broken = CliRunner().invoke(app, [*args, "--resume"])
+    assert broken.exit_code == 2 and "not a pathgate checkpoint" in broken.output

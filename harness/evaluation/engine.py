@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from harness.evaluation import checkpoint as checkpoints
 from harness.evaluation import correctness as correctness_mod
 from harness.evaluation import decode_check
 from harness.evaluation.cases import Case
@@ -87,6 +88,8 @@ class EngineOptions:
     max_layers: int | None = None  # layers per timed step; None: 64 on CUDA, 2 on CPU
     stop: StopRule | None = None
     command: str = ""
+    checkpoint: Path | None = None  # written after every case (harness.evaluation.checkpoint)
+    resume: checkpoints.Checkpoint | None = None  # an interrupted run's cases, not run again
 
 
 def default_stop_rule(device: torch.device, quick: bool) -> StopRule:
@@ -103,11 +106,16 @@ def evaluate(
     started_at = _now()
     host = detect_host(options.device)
     secret_seed = options.seed if options.seed is not None else secrets.randbits(63)
+    environment = fingerprint(host)
     plan = make_plan(manifest, host, secret_seed, options.quick, options.gpus)
     notes = [CPU_NOTE] if host.device == "cpu" else []
+    record = _checkpointer(manifest, options, host, secret_seed, environment, started_at)
+    if options.resume is not None:
+        notes.append(checkpoints.resume_note(options.resume, started_at))
+        started_at = options.resume.started_at
     run = RunResults()
     if plan.runnable:
-        run = _run_path(manifest, plan, host, secret_seed, options, progress)
+        run = _run_path(manifest, plan, host, secret_seed, options, progress, record)
     claims = [check_claim(claim, run.cases, host.gpu) for claim in manifest.claims]
     verdict, reasons = decide(
         run.cases, run.probes, claims, list(plan.not_run), run.tampering, run.decode_check
@@ -128,7 +136,7 @@ def evaluate(
             finished_at=_now(),
             command=command,
         ),
-        environment=fingerprint(host),
+        environment=environment,
         not_run=list(plan.not_run),
         cases=run.cases,
         probes=run.probes,
@@ -138,6 +146,40 @@ def evaluate(
         claims=claims,
         notes=notes,
     )
+
+
+Recorder = Callable[[list[CaseEvidence]], None]
+
+
+def _checkpointer(
+    manifest: ScopeManifest,
+    options: EngineOptions,
+    host: Host,
+    seed: int,
+    environment: dict[str, Any],
+    started_at: str,
+) -> Recorder | None:
+    """What writes the checkpoint after each case (None: no checkpoint asked for). Refuses a
+    resume whose checkpoint was made under other settings (ResumeRefused)."""
+    current = checkpoints.Checkpoint(
+        scope=manifest.name,
+        manifest=manifest.model_dump(mode="json"),
+        seed=seed,
+        device=host.device,
+        quick=options.quick,
+        gpus=options.gpus,
+        environment=environment,
+        started_at=options.resume.started_at if options.resume else started_at,
+        cases=[],
+    )
+    if options.resume is not None:
+        problems = checkpoints.mismatches(options.resume, current)
+        if problems:
+            raise checkpoints.ResumeRefused("cannot resume: " + "; ".join(problems))
+    path = options.checkpoint
+    if path is None:
+        return None
+    return lambda cases: checkpoints.write(path, current.model_copy(update={"cases": cases}))
 
 
 @dataclass
@@ -156,6 +198,7 @@ def _run_path(
     secret_seed: int,
     options: EngineOptions,
     progress: ProgressFn | None,
+    record: Recorder | None,
 ) -> RunResults:
     if host.device == "cpu":
         use_triton_interpreter()
@@ -168,7 +211,7 @@ def _run_path(
     run = RunResults(warnings=[str(f) for f in screen_entry_points(manifest)])
     if _tampered(snapshot, "importing the path", run):
         return run
-    _run_plan(path, plan, manifest, host, secret_seed, options, progress, run, snapshot)
+    _run_plan(path, plan, manifest, host, secret_seed, options, progress, record, run, snapshot)
     return run
 
 
@@ -187,17 +230,25 @@ def _run_plan(
     secret_seed: int,
     options: EngineOptions,
     progress: ProgressFn | None,
+    record: Recorder | None,
     run: RunResults,
     snapshot: Snapshot,
 ) -> None:
     """Cases, then probes; after each, check that nothing the harness relies on was replaced
-    (the first replacement ends the run: nothing measured after it can be trusted)."""
+    (the first replacement ends the run: nothing measured after it can be trusted). A case an
+    interrupted run already measured (options.resume) is taken from it."""
     device = torch.device(host.device)
     total = len(plan.cases) + len(plan.probes)
+    carried = {(c.id, c.origin): c for c in options.resume.cases} if options.resume else {}
     for index, case in enumerate(plan.cases):
         if progress:
             progress(index, total, case.id)
-        run.cases.append(run_case(path, case, manifest, secret_seed, options, device))
+        evidence = carried.get((case.id, case.origin))
+        if evidence is None:
+            evidence = run_case(path, case, manifest, secret_seed, options, device)
+        run.cases.append(evidence)
+        if record:
+            record(run.cases)
         if _tampered(snapshot, f"running {case.id}", run):
             return
     for index, probe in enumerate(plan.probes, start=len(plan.cases)):

@@ -1,0 +1,85 @@
+"""A run's checkpoint: the cases measured so far, so an interrupted run can be finished.
+
+A full validation of a large scope can outlast the machine it runs on (a lent GPU taken back,
+a session's device time spent). `pathgate validate` writes `checkpoint.json` next to the
+evidence after every case; `pathgate validate --resume` reads it and runs only the cases it
+lacks. The plan is a function of the seed, so the resumed run has the same cases; a case found
+in the checkpoint is taken as measured there. That is only sound when nothing that could change
+a measurement changed in between: the same scope, seed, plan options, code and environment
+(GPU, driver, library versions). Anything else refuses the resume.
+
+The checkpoint holds the secret seed: it is written by the command line only (a person running
+a scope on their own machine), never by the service's workers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from harness.evaluation.evidence import CaseEvidence, Model
+
+FILE_NAME = "checkpoint.json"
+# Readings that change from one moment to the next on the same machine: not part of the match.
+VOLATILE_ENVIRONMENT = {"fingerprint_hash", "clocks.sm", "clocks.mem"}
+
+
+class ResumeRefused(ValueError):
+    """The checkpoint cannot be continued: missing, unreadable or from another setting."""
+
+
+class Checkpoint(Model):
+    scope: str
+    manifest: dict[str, Any]
+    seed: int
+    device: str
+    quick: bool
+    gpus: int | None
+    environment: dict[str, Any]
+    started_at: str
+    cases: list[CaseEvidence]
+
+
+def write(path: Path, checkpoint: Checkpoint) -> None:
+    """Replace the file in one step, so an interruption mid-write leaves the previous one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(checkpoint.model_dump_json())
+    partial.replace(path)
+
+
+def read(path: Path) -> Checkpoint:
+    if not path.is_file():
+        raise ResumeRefused(f"no checkpoint at {path}: nothing to resume")
+    try:
+        return Checkpoint.model_validate_json(path.read_text())
+    except (ValidationError, ValueError) as exc:
+        raise ResumeRefused(f"{path} is not a pathgate checkpoint: {exc}") from None
+
+
+def mismatches(checkpoint: Checkpoint, current: Checkpoint) -> list[str]:
+    """Why the run `current` (no cases yet) may not continue `checkpoint`; empty if it may."""
+    problems = []
+    for name in ("scope", "seed", "device", "quick", "gpus"):
+        if getattr(checkpoint, name) != getattr(current, name):
+            problems.append(
+                f"{name}: {getattr(checkpoint, name)!r} then, {getattr(current, name)!r} now"
+            )
+    if checkpoint.manifest != current.manifest:
+        problems.append("the scope manifest changed")
+    keys = (checkpoint.environment.keys() | current.environment.keys()) - VOLATILE_ENVIRONMENT
+    for key in sorted(keys):
+        then, now = checkpoint.environment.get(key), current.environment.get(key)
+        if then != now:
+            problems.append(f"environment {key}: {then!r} then, {now!r} now")
+    return problems
+
+
+def resume_note(checkpoint: Checkpoint, resumed_at: str) -> str:
+    return (
+        f"resumed: {len(checkpoint.cases)} case(s) carried over from the run started at "
+        f"{checkpoint.started_at} (same seed, scope, code and environment); the rest measured "
+        f"from {resumed_at}"
+    )

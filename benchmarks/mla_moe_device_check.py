@@ -22,9 +22,9 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
     python3 benchmarks/mla_moe_device_check.py --quick          # about 3 min
     python3 benchmarks/mla_moe_device_check.py --only-kernels   # part 1 only
     python3 benchmarks/mla_moe_device_check.py --sweep-pdl      # instead of parts 1 and 2:
-        the fused layer with programmatic dependent launch off / "wait" / "prefetch"
+        the fused layer in each programmatic dependent launch mode
         (triton_common.dependent_launch), each against "off" in alternating replays, and
-        whether the three give the same bits
+        whether they all give the same bits
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -72,6 +72,7 @@ REPLAYS = 20  # kernel timing: graph replays, median
 PAIRS = 30  # layer timing: alternating replay pairs per comparison
 MAX_COPIES = 16
 H200_L2_BYTES = 60 * 2**20
+DEPENDENT_LAUNCH_DEFAULT = triton_common.dependent_launch
 
 
 @dataclass(frozen=True)
@@ -682,7 +683,7 @@ def sweep_pdl(problem: Problem, cases: list[tuple[int, int]], t: Target) -> list
         except Exception as exc:  # fail soft: report and go on
             row.errors.append(_describe(exc))
         finally:
-            triton_common.dependent_launch = "prefetch"
+            triton_common.dependent_launch = DEPENDENT_LAUNCH_DEFAULT
         _sync(t)
         _empty_cache(t)
         rows.append(row)
@@ -702,7 +703,7 @@ def _compare_pdl_modes(
         steps[mode] = _step(fused.forward, layer_set, t)
         steps[mode]()
     _sync(t)
-    for mode in ("wait", "prefetch"):
+    for mode in [m for m in triton_common.DEPENDENT_LAUNCH_MODES if m != "off"]:
         row.same_bits[mode] = all(
             torch.equal(mine[name], theirs[name])
             for mine, theirs in zip(outputs[mode], outputs["off"], strict=True)
@@ -714,23 +715,22 @@ def _compare_pdl_modes(
 
 
 def print_pdl_table(rows: list[PdlRow]) -> None:
+    """µs per layer of each mode; each mode / "off" from their own alternating pairs."""
+    modes = [m for m in triton_common.DEPENDENT_LAUNCH_MODES if m != "off"]
     print(
-        "\n| batch | context | off µs | wait µs | prefetch µs | wait / off | prefetch / off "
-        "| same bits |"
+        "\n| batch | context | off µs | "
+        + " | ".join(f"{m} µs (/ off)" for m in modes)
+        + " | same bits |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|" + "---|" * len(modes) + "---|")
     for row in rows:
         if row.errors:
             print(f"| {row.batch} | {row.context} | error: {'; '.join(row.errors)[:200]} |")
             continue
         off = median(list(row.off_us.values()))
-        wait, prefetch = row.us["wait"], row.us["prefetch"]
+        cells = [f"{row.us[m]:.1f} ({row.us[m] / row.off_us[m]:.3f})" for m in modes]
         same = all(row.same_bits.values())
-        print(
-            f"| {row.batch} | {row.context} | {off:.1f} | {wait:.1f} | {prefetch:.1f} "
-            f"| {wait / row.off_us['wait']:.3f} | {prefetch / row.off_us['prefetch']:.3f} "
-            f"| {same} |"
-        )
+        print(f"| {row.batch} | {row.context} | {off:.1f} | " + " | ".join(cells) + f" | {same} |")
 
 
 # Shared helpers and output.

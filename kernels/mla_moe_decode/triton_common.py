@@ -10,15 +10,15 @@
 - `rms_normalize`, `rotate_pairs`: the stock path's RMSNorm and GPT-J RoPE, same roundings.
 - `rows_per_program` (host side): how many token rows the row-wise kernels give a program.
 - `dependent_launch`, `pdl_options` (host side), `wait_for_previous_kernel`, `prefetch_l2`:
-  programmatic dependent launch (PDL, sm_90+). Each kernel of the layer is launched with the
-  PDL attribute and first lets its successor launch, then waits until its predecessor has
-  finished and flushed its writes. The successor's programs are thus already resident when the
-  predecessor ends, and the launch gap between dependent kernels (a few µs in a graph, most of
-  the batch-1 time) shrinks. Before waiting, a kernel may touch only memory no kernel of the
-  layer writes (weights): `prefetch_l2` pulls its weight slice into L2 during the wait.
-  Every kernel waits before its first dependent read or any write, so the order of effects is
-  exactly the unchained one; a non-PDL kernel (the CuTe DSL norm, any torch op) still waits
-  for everything before it in the usual way.
+  programmatic dependent launch (PDL, sm_90+), off by default. A kernel launched with the PDL
+  attribute may start before its predecessor has finished; it waits (`griddepcontrol.wait`)
+  before its first dependent read or any write, so the order of effects is the unchained one.
+  "exit": the successor is released as each program exits, which overlaps its launch with the
+  predecessor's tail. "early": released at the start, so the successor's programs sit resident
+  (and spin) for the whole kernel. "prefetch": "early", and the GEMVs ask L2 for their weight
+  slice (memory nothing in the layer writes) before they wait. Measured on the H200
+  (docs/mla_moe_notes.md): "early" and "prefetch" were 2-11% slower than "off", same bits.
+  A non-PDL kernel (the CuTe DSL norm, any torch op) waits for everything before it as usual.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-# "wait": kernels launch early and wait at their start; "prefetch": the GEMVs also pull their
-# weight slice into L2 while they wait; "off": plain launches. Benchmarks switch it to compare
-# (benchmarks/mla_moe_device_check.py --sweep-pdl); the CPU interpreter always runs "off".
-DEPENDENT_LAUNCH_MODES = ("off", "wait", "prefetch")
+# See the module docstring. Benchmarks switch it to compare (mla_moe_device_check.py
+# --sweep-pdl); the CPU interpreter always runs "off". The value each mode gives the kernels'
+# PDL constexpr: 0 plain, 1 wait at the start, 2 release the successor, then wait.
+DEPENDENT_LAUNCH_MODES = {"off": 0, "exit": 1, "early": 2, "prefetch": 2}
 dependent_launch = "off"
 
 
@@ -101,19 +101,21 @@ def rows_per_program(batch: int, on_gpu: bool) -> int:
     return 1 if on_gpu else min(16, triton.next_power_of_2(batch))
 
 
-def pdl_options(device: torch.device) -> dict[str, bool]:
-    """The launch keywords of a layer kernel: the PDL constexpr (wait at the start) and
-    Triton's launch_pdl attribute. Off on the CPU and before sm_90 (no griddepcontrol)."""
+def pdl_options(device: torch.device) -> dict[str, int | bool]:
+    """The launch keywords of a layer kernel: its PDL constexpr and Triton's launch_pdl
+    attribute. Off on the CPU and before sm_90 (no griddepcontrol there)."""
     if dependent_launch not in DEPENDENT_LAUNCH_MODES:
-        raise ValueError(f"dependent_launch {dependent_launch!r}: one of {DEPENDENT_LAUNCH_MODES}")
-    on = dependent_launch != "off" and device.type == "cuda" and _sm90_or_later(device.index)
-    # launch_pdl only when on: the interpreter has no such launch option
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+        modes = ", ".join(DEPENDENT_LAUNCH_MODES)
+        raise ValueError(f"dependent_launch {dependent_launch!r}: one of {modes}")
+    level = DEPENDENT_LAUNCH_MODES[dependent_launch]
+    if level == 0 or device.type != "cuda" or not _sm90_or_later(device.index):
+        return {"PDL": 0}  # no launch_pdl keyword: the interpreter has no such option
+    return {"PDL": level, "launch_pdl": True}
 
 
 def prefetch_weights(device: torch.device) -> bool:
     """Whether the GEMVs prefetch their weight slice while they wait (mode "prefetch")."""
-    return dependent_launch == "prefetch" and pdl_options(device)["PDL"]
+    return dependent_launch == "prefetch" and pdl_options(device)["PDL"] > 0
 
 
 def _sm90_or_later(index: int | None) -> bool:
@@ -122,10 +124,11 @@ def _sm90_or_later(index: int | None) -> bool:
 
 @triton.jit
 def wait_for_previous_kernel(PDL: tl.constexpr):
-    """Let the next kernel launch, then wait for the previous one (no-op without PDL). Called
-    before a kernel's first dependent read or any write."""
-    if PDL:
+    """PDL 2: let the next kernel launch now; PDL >= 1: wait for the previous one to finish
+    and flush. Called before a kernel's first dependent read or any write."""
+    if PDL >= 2:
         tl.extra.cuda.gdc_launch_dependents()
+    if PDL >= 1:
         tl.extra.cuda.gdc_wait()
 
 

@@ -22,7 +22,7 @@ from harness.evaluation.correctness import OutputError, _upcast, check_case, out
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.outcomes import Passed, reasons_of
 from harness.evaluation.plan import derive_seed
-from kernels.mla_moe_decode import fused, stock
+from kernels.mla_moe_decode import fused, stock, triton_common
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem
 from kernels.mla_moe_decode.triton_attention import latent_prep, mla_attention, q_absorb, w_uv
@@ -207,6 +207,19 @@ def test_two_runs_are_bitwise_equal_and_leave_inputs_untouched() -> None:
     second = _outputs(fused.forward, weights, inputs)
     assert all(torch.equal(first[k], second[k]) for k in OUTPUTS)
     assert all(torch.equal(before[k], v) for k, v in (*weights.items(), *inputs.items()))
+
+
+def test_dependent_launch_is_off_on_the_cpu_and_rejects_an_unknown_mode(monkeypatch) -> None:
+    """The CPU (interpreter) never gets the PDL launch attribute or constexpr, whatever the
+    mode; a mistyped mode is an error, not a silent "off"."""
+    cpu = torch.device("cpu")
+    for mode in triton_common.DEPENDENT_LAUNCH_MODES:
+        monkeypatch.setattr(triton_common, "dependent_launch", mode)
+        assert triton_common.pdl_options(cpu) == {"PDL": 0}
+        assert triton_common.prefetch_weights(cpu) is False
+    monkeypatch.setattr(triton_common, "dependent_launch", "eraly")
+    with pytest.raises(ValueError, match="dependent_launch 'eraly'"):
+        triton_common.pdl_options(cpu)
 
 
 def test_attention_and_routing_reach_the_outputs() -> None:
@@ -560,3 +573,27 @@ def test_fused_layer_replays_from_a_cuda_graph_on_fresh_inputs() -> None:
     expected = problem.make_outputs(case, cuda)
     fused.forward(weights, fresh, expected)
     assert all(torch.equal(out[k], expected[k]) for k in OUTPUTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [m for m in triton_common.DEPENDENT_LAUNCH_MODES if m != "off"])
+def test_each_dependent_launch_mode_gives_the_same_bits_on_the_gpu(mode: str, monkeypatch) -> None:
+    """Chained launches only move when kernels start: captured in a CUDA graph, every mode
+    must give exactly the plain launches' outputs (a missing wait would read stale data)."""
+    cuda = torch.device("cuda")
+    problem, case = Problem({}), _case(8, 8192, gpu=fused.GPU_KIND, config={})
+    weights, inputs = problem.make_weights(case, 1, cuda), problem.make_inputs(case, 2, cuda)
+    results = {}
+    for name in ("off", mode):
+        monkeypatch.setattr(triton_common, "dependent_launch", name)
+        out = problem.make_outputs(case, cuda)
+        fused.forward(weights, inputs, out)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused.forward(weights, inputs, out)
+        for tensor in out.values():
+            tensor.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        results[name] = out
+    assert all(torch.equal(results[mode][k], results["off"][k]) for k in OUTPUTS)

@@ -182,6 +182,14 @@ def test_a_resume_under_other_settings_is_refused(tmp_path: Path, monkeypatch) -
     other_scope = CliRunner().invoke(app, [*args, "--resume"])
     assert other_scope.exit_code == 2 and "the scope manifest changed" in other_scope.output
     assert (out / "checkpoint.json").read_text() == saved  # a refusal loses nothing
+    scope.write_text(
+        yaml.safe_dump({**data, "tolerance": {**data["tolerance"], "error_budget": 2.0}})
+    )
+    edited = json.loads(saved) | {"code_digest": "0" * 16}  # as if a kernel had been edited
+    (out / "checkpoint.json").write_text(json.dumps(edited))
+    other_code = CliRunner().invoke(app, [*args, "--resume"])
+    assert other_code.exit_code == 2 and "the code changed" in other_code.output
+    assert "manifest" not in other_code.output  # the scope is back as it was
     (out / "checkpoint.json").write_text("{not json")
     broken = CliRunner().invoke(app, [*args, "--resume"])
     assert broken.exit_code == 2 and "not a pathgate checkpoint" in broken.output

@@ -14,6 +14,8 @@ a scope on their own machine), never by the service's workers.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from harness.evaluation.evidence import CaseEvidence, Model
 FILE_NAME = "checkpoint.json"
 # Readings that change from one moment to the next on the same machine: not part of the match.
 VOLATILE_ENVIRONMENT = {"fingerprint_hash", "clocks.sm", "clocks.mem"}
+SKIPPED = {"venv", "site-packages", "node_modules", "pathgate-out", "__pycache__"}
 
 
 class ResumeRefused(ValueError):
@@ -38,6 +41,7 @@ class Checkpoint(Model):
     quick: bool
     gpus: int | None
     environment: dict[str, Any]
+    code_digest: str  # of every Python file under the repository: a dirty tree is still pinned
     started_at: str
     cases: list[CaseEvidence]
 
@@ -69,12 +73,33 @@ def mismatches(checkpoint: Checkpoint, current: Checkpoint) -> list[str]:
             )
     if checkpoint.manifest != current.manifest:
         problems.append("the scope manifest changed")
+    if checkpoint.code_digest != current.code_digest:
+        problems.append("the code changed (a Python file under the repository)")
     keys = (checkpoint.environment.keys() | current.environment.keys()) - VOLATILE_ENVIRONMENT
     for key in sorted(keys):
         then, now = checkpoint.environment.get(key), current.environment.get(key)
         if then != now:
             problems.append(f"environment {key}: {then!r} then, {now!r} now")
     return problems
+
+
+def code_digest(root: Path) -> str:
+    """sha256 over the path and bytes of every .py file under `root`, outside hidden folders
+    and virtual environments. The git revision alone would not do: it says nothing about
+    uncommitted edits, and a copied tree (a GPU worker's) may have no .git at all."""
+    digest = hashlib.sha256()
+    for path in sorted(_python_files(root)):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _python_files(root: Path) -> list[Path]:
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        # pruned in place: os.walk then never descends into a virtual environment
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in SKIPPED]
+        found += [Path(folder) / name for name in files if name.endswith(".py")]
+    return found
 
 
 def resume_note(checkpoint: Checkpoint, resumed_at: str) -> str:

@@ -23,7 +23,7 @@ from harness.evaluation import checkpoint as checkpoints
 from harness.evaluation import correctness as correctness_mod
 from harness.evaluation import decode_check
 from harness.evaluation.cases import Case
-from harness.evaluation.environment import detect_host, fingerprint, hbm_bytes_per_s
+from harness.evaluation.environment import REPO_ROOT, detect_host, fingerprint, hbm_bytes_per_s
 from harness.evaluation.evidence import (
     CaseEvidence,
     CorrectnessEvidence,
@@ -169,6 +169,7 @@ def _checkpointer(
         quick=options.quick,
         gpus=options.gpus,
         environment=environment,
+        code_digest=checkpoints.code_digest(REPO_ROOT),
         started_at=options.resume.started_at if options.resume else started_at,
         cases=[],
     )

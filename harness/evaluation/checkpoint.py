@@ -26,7 +26,9 @@ from harness.evaluation.evidence import CaseEvidence, Model
 FILE_NAME = "checkpoint.json"
 # Readings that change from one moment to the next on the same machine: not part of the match.
 VOLATILE_ENVIRONMENT = {"fingerprint_hash", "clocks.sm", "clocks.mem"}
-SKIPPED = {"venv", "site-packages", "node_modules", "pathgate-out", "__pycache__"}
+# Not code a validation runs: environments, outputs, and the test suite (editing a test between
+# the two halves of a run changes no measurement).
+SKIPPED = {"venv", "site-packages", "node_modules", "pathgate-out", "__pycache__", "tests"}
 
 
 class ResumeRefused(ValueError):
@@ -84,8 +86,8 @@ def mismatches(checkpoint: Checkpoint, current: Checkpoint) -> list[str]:
 
 
 def code_digest(root: Path) -> str:
-    """sha256 over the path and bytes of every .py file under `root`, outside hidden folders
-    and virtual environments. The git revision alone would not do: it says nothing about
+    """sha256 over the path and bytes of every .py file under `root`, outside hidden folders,
+    virtual environments and test suites. The git revision alone would not do: it says nothing about
     uncommitted edits, and a copied tree (a GPU worker's) may have no .git at all."""
     digest = hashlib.sha256()
     for path in sorted(_python_files(root)):

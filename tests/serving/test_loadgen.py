@@ -71,11 +71,14 @@ def test_every_request_completes_with_exactly_output_len_tokens(schedule_run: Lo
 
 
 def test_latencies_follow_the_schedule(schedule_run: LoadRun) -> None:
-    assert schedule_run.ttft_ms.median == pytest.approx(TTFT_MS, abs=15)
+    # The client's clock starts before the fake's schedule does, so a right TTFT or e2e is never
+    # shorter than the schedule (2 ms for timer granularity); it is longer by both sides'
+    # overhead, which a loaded CI machine stretched to +15 ms once: the upper margin is wider.
+    assert TTFT_MS - 2 <= schedule_run.ttft_ms.median <= TTFT_MS + 40
     assert schedule_run.itl_ms.median == pytest.approx(ITL_MS, abs=5)
     assert schedule_run.itl_ms.count == 16 * (OUTPUT_LEN - 1)
     assert schedule_run.tpot_ms.median == pytest.approx(ITL_MS, abs=5)
-    assert schedule_run.e2e_ms.median == pytest.approx(E2E_MS, abs=30)
+    assert E2E_MS - 2 <= schedule_run.e2e_ms.median <= E2E_MS + 50
 
 
 def test_tpot_is_decode_time_per_token_after_the_first(schedule_run: LoadRun) -> None:

@@ -6,8 +6,12 @@
     gate_up   program (expert e, intermediate block j): the tokens that chose e (read from the
               routing table on the device), h2 @ [gate; up]_e rows of block j, SiLU(gate) * up
               -> act[token, slot of e, block j]. Programs of an expert no token chose return
-              at once: their weights are never read. Expert index E is the shared expert (every
-              token, slot top_k, its own narrower intermediate size).
+              at once: their weights are never read. The last expert index is the shared
+              expert (every token, slot top_k, its own narrower intermediate size). When the
+              batch can choose fewer experts than there are (B x top_k < E: batch <= 5 here),
+              program e takes the e-th *chosen* local expert instead, so the grid has
+              B x top_k + 1 rows of programs, not E + 1: at batch 1, 9 x 128 programs instead
+              of 49 x 128, most of which would only start, find no token and exit.
     down      program (hidden block n) owns out[:, block n]: it walks the local experts in
               order, and for each one some token chose adds weight * (act @ down_e[block n].T)
               for those tokens; then the shared expert with weight 1. One program per output
@@ -158,6 +162,18 @@ def _choosers(table, expert_id, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _nth_chosen_expert(table, n, E, expert_offset, BLOCK_E: tl.constexpr):
+    """The n-th (from 0, in expert order) local expert some row of the routing table chose,
+    and whether there are more than n of them."""
+    experts = tl.arange(0, BLOCK_E)
+    hits = table[:, :, None] == (experts + expert_offset)[None, None, :]
+    chosen = (tl.max(tl.max(hits.to(tl.int32), axis=1), axis=0) > 0) & (experts < E)
+    order = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # rank among the chosen
+    pick = chosen & (order == n)
+    return tl.sum(tl.where(pick, experts, 0), axis=0), tl.sum(pick.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _gate_up_kernel(
     h_ptr,  # (B, D) bf16: post_attention_layernorm output
     ids_ptr,  # (B, TOP_K) int32
@@ -176,6 +192,8 @@ def _gate_up_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    COMPACT: tl.constexpr,  # program row e: the e-th chosen local expert (B x TOP_K < E)
+    BLOCK_E: tl.constexpr,  # >= E, for COMPACT
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -184,8 +202,13 @@ def _gate_up_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
     table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
+    is_shared = expert == tl.num_programs(0) - 1
+    if COMPACT:
+        expert, found = _nth_chosen_expert(table, expert, E, expert_offset, BLOCK_E)
+        expert = tl.where(is_shared, E, expert)
     chosen, slot, _ = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
-    is_shared = expert == E
+    if COMPACT:
+        chosen = tl.where(found, chosen, False)
     chosen = tl.where(is_shared, row_mask, chosen)
     slot = tl.where(is_shared, TOP_K, slot)
     inter = tl.where(is_shared, I_SHARED, INTER)
@@ -358,7 +381,9 @@ def fused_moe(
         num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,
     )
-    gate_up_grid = (experts + 1, triton.cdiv(max(inter, shared_inter), blocks.gate_up_cols))
+    compact = batch * top_k < experts  # fewer experts can be chosen than there are
+    expert_rows = batch * top_k if compact else experts
+    gate_up_grid = (expert_rows + 1, triton.cdiv(max(inter, shared_inter), blocks.gate_up_cols))
     _gate_up_kernel[gate_up_grid](
         h,
         ids,
@@ -373,6 +398,8 @@ def fused_moe(
         expert_offset,
         BLOCK_I=blocks.gate_up_cols,
         BLOCK_K=blocks.gate_up_k,
+        COMPACT=compact,
+        BLOCK_E=triton.next_power_of_2(experts),
         **common,
         **pdl_options(h.device),
     )

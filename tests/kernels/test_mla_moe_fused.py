@@ -450,17 +450,23 @@ def test_routing_picks_the_biased_top_k_and_weighs_by_the_unbiased_scores() -> N
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("batch", [3, 64])
+@pytest.mark.parametrize("batch", [1, 3, 64])
 def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(batch: int) -> None:
     """Routed + shared experts against float64 per-token math; the weights of every expert no
-    token chose are NaN, so reading any of them would show."""
+    token chose are NaN, so reading any of them would show. Batch 1 (1 x 6 slots < 8 local
+    experts) runs the compact gate_up grid: its program rows are the 1st, 2nd, ... chosen
+    local expert, and the rows past the two chosen ones must do nothing."""
     c, gen = LAYER, torch.Generator().manual_seed(batch)
     h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
     w = _expert_weights(c, gen)
     # at batch 3 the tokens choose among 6 global experts, of them local 1 and 5 (ids 17, 21);
+    # at batch 1 the one token takes 6 with local 6 and 7 among them (ids 22, 23): past the
+    # compact grid's 6 rows, so only the e-th-chosen mapping reaches them;
     # at batch 64 among all but two, so most local experts are chosen
     if batch == 64:  # every expert but local 3 and 6 (global 19, 22)
         pool = torch.tensor([e for e in range(c.experts_total) if e not in (19, 22)])
+    elif batch == 1:
+        pool = torch.tensor([0, 22, 23, 40, 50, 63])
     else:
         pool = torch.tensor([0, 17, 21, 40, 50, 63])
     ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[: c.top_k]] for _ in h])

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -58,6 +58,7 @@ NCCL_RANK_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 STARTUP_TIMEOUT_S = 120.0
+HARNESS_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding this `harness`
 EXIT_GRACE_S = 10.0  # after success: time for the ranks to leave the group before a kill
 KILL_WAIT_S = 30.0
 TRACEBACK_TAIL_CHARS = 4000
@@ -109,7 +110,8 @@ def run_on_ranks(
     # the collectives' own timeout outlasts both of ours, so a hang is ours to report
     group_timeout_s = startup_timeout_s + timeout_s + 60.0
     with tempfile.TemporaryDirectory(prefix="pathgate-ranks-") as scratch:
-        launch = _Launch(backend, str(Path(scratch) / "store"), group_timeout_s, fn, tuple(args))
+        store = str(Path(scratch) / "store")
+        launch = _Launch(backend, store, group_timeout_s, fn, tuple(args), tuple(sys.path))
         ranks = _start_ranks(launch, world_size)
         try:
             outcome = _collect(ranks, timeout_s, startup_timeout_s)
@@ -160,11 +162,17 @@ class _Launch:
     group_timeout_s: float
     fn: Callable[..., Any]
     args: tuple[Any, ...]
+    sys_path: tuple[str, ...]  # the parent's, restored once the rank's harness is imported
 
 
 def _rank_main(rank: int, world_size: int, launch: _Launch, conn: Connection, parent: int) -> None:
     """Messages to the parent: ("ready",), then ("result", pickled bytes) or ("error", when,
     traceback tail)."""
+    # Spawn imported this harness from its own folder (_harness_first_on_path); the parent's
+    # order comes back for what the rank imports next (a submission's `kernels`). The
+    # harness's own modules stay this harness's: a package's submodules resolve through the
+    # package, not sys.path.
+    sys.path[:] = launch.sys_path
     _die_with_parent(parent)
     try:
         _join_group(rank, world_size, launch)
@@ -219,6 +227,21 @@ class _Rank:
     reaped: bool = False  # its pid may belong to another process now: never signal it
 
 
+@contextlib.contextmanager
+def _harness_first_on_path() -> Iterator[None]:
+    """Spawn gives a rank the parent's sys.path, and the rank imports `harness` (to unpickle its
+    entry point) from the first entry that holds one. In an evaluation child the submitted
+    checkout comes first (its `kernels` must win over the installed ones), so a `harness`
+    package in it would replace this one in every rank: its own timing, its own verdict. While
+    ranks start, the folder this harness came from goes first."""
+    saved = sys.path[:]
+    sys.path[:] = [HARNESS_ROOT, *(entry for entry in saved if entry != HARNESS_ROOT)]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
 def _start_ranks(launch: _Launch, world_size: int) -> list[_Rank]:
     context = mp.get_context("spawn")
     ranks: list[_Rank] = []
@@ -230,7 +253,8 @@ def _start_ranks(launch: _Launch, world_size: int) -> list[_Rank]:
                 args=(rank, world_size, launch, theirs, os.getpid()),
                 name=f"pathgate-rank-{rank}",
             )
-            process.start()
+            with _harness_first_on_path():
+                process.start()
             theirs.close()  # only the rank holds its end now: its death reads as EOF here
             ranks.append(_Rank(rank, process, ours))
     except BaseException:  # e.g. `fn` cannot be pickled: the ranks already started go too

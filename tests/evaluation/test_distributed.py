@@ -244,3 +244,24 @@ def test_per_sample_time_is_the_slowest_rank() -> None:
         slowest_rank_us([rank0, rank1[:2]])
     with pytest.raises(ValueError, match="no ranks"):
         slowest_rank_us([])
+
+
+def where_harness_came_from(rank: int, world_size: int, folder: str) -> tuple[str, str]:
+    import harness
+
+    return str(Path(harness.__file__).resolve().parents[1]), sys.path[0]
+
+
+def test_a_harness_package_in_a_checkout_does_not_replace_the_ranks_harness(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An evaluation child puts the submitted checkout first on sys.path, and spawned ranks
+    inherit it. A `harness` package in the checkout must not be what the ranks import (it
+    would time and judge the case); the checkout still comes first for everything else."""
+    checkout = tmp_path / "checkout"
+    (checkout / "harness").mkdir(parents=True)
+    (checkout / "harness" / "__init__.py").write_text("raise ImportError('the fake harness')\n")
+    monkeypatch.syspath_prepend(str(checkout))
+    outcome = run_on_ranks(where_harness_came_from, 2, "gloo", 60.0, (str(tmp_path),))
+    assert isinstance(outcome, RanksFinished), outcome
+    assert outcome.results == ((str(REPO_ROOT), str(checkout)),) * 2

@@ -51,11 +51,16 @@ Backend = Literal["gloo", "nccl"]
 ResultT = TypeVar("ResultT")
 
 # Set in every NCCL rank before the group forms: NVLink SHARP multicast stays off on lent GPUs
-# (KINDS.md of the device tool), for NCCL, torch's symmetric memory and NVSHMEM alike.
+# (KINDS.md of the device tool), for NCCL, torch's symmetric memory and NVSHMEM alike. The
+# ranks share one host: NCCL's bootstrap goes over loopback (in an evaluation child's network
+# namespace the only interface) and never looks for InfiniBand; its warnings reach the log.
 NCCL_RANK_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_DEBUG": "WARN",
 }
 STARTUP_TIMEOUT_S = 120.0
 HARNESS_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding this `harness`
@@ -184,6 +189,10 @@ def _rank_main(rank: int, world_size: int, launch: _Launch, conn: Connection, pa
         return
     with contextlib.suppress(EOFError, OSError):
         conn.recv()  # the parent closes its end once every rank has finished
+    if launch.backend == "nccl":
+        # Destroying a NCCL group whose collectives were captured in CUDA graphs can hang
+        # (pytorch#115388); the result is delivered, so leave without tearing anything down.
+        os._exit(0)
     dist.destroy_process_group()
 
 

@@ -58,6 +58,7 @@ from harness.evaluation.profiling import profile_step
 from harness.evaluation.ranks import run_case_on_ranks, runs_on_ranks
 from harness.evaluation.stats import median_ci95, speedup_ci95
 from harness.evaluation.timing import (
+    RankSync,
     StopRule,
     Timing,
     build_layers,
@@ -389,15 +390,17 @@ def measure_case(
     max_layers: int,
     device: torch.device,
     manifest: ScopeManifest,
+    sync: RankSync | None = None,
 ) -> tuple[PerformanceEvidence, list[str], Timing]:
     """The case's timing evidence, why the candidate's outputs after the timed runs are wrong
-    (empty when they are right), and the raw samples."""
-    layer_set = build_layers(path, case, secret_seed, device, max_layers)
+    (empty when they are right), and the raw samples. `sync`: on N ranks (timing.RankSync)."""
+    align = sync.align if sync is not None else lambda: None
+    layer_set = build_layers(path, case, secret_seed, device, max_layers, sync)
     stock_steps = step_runners(path.baseline, layer_set, device, stop.captures)
     candidate_steps = step_runners(path.candidate, layer_set, device, stop.captures)
     seed = derive_seed(secret_seed, case.id, "bootstrap")
     refresh_inputs(path, case, layer_set, derive_seed(seed, "before timing"), device)
-    timing = sample_interleaved(stock_steps, candidate_steps, layer_set, device, stop, seed)
+    timing = sample_interleaved(stock_steps, candidate_steps, layer_set, device, stop, seed, sync)
     refresh_inputs(path, case, layer_set, derive_seed(seed, "after timing"), device)
     stale = replay_mismatches(
         candidate_steps,
@@ -407,7 +410,9 @@ def measure_case(
         manifest.tolerance.min_cosine,
         path.problem,
     )
+    align()
     stock_profile = profile_step(stock_steps[0], timing.layers, device)
+    align()
     candidate_profile = profile_step(candidate_steps[0], timing.layers, device)
     samples = sample_statistics(timing, seed)
     cand_median = samples["candidate_us_median"]
@@ -416,11 +421,17 @@ def measure_case(
     stock_wall = candidate_wall = None
     flags: list[str] = []
     if device.type == "cuda":
+        align()
         stock_wall = wall_us_per_layer(stock_steps[0], timing.layers, device)
+        align()
         candidate_wall = wall_us_per_layer(candidate_steps[0], timing.layers, device)
         flags = cross_check_flags(
             cand_median, candidate_wall, candidate_profile.span_us_per_layer, timing.layers
         )
+    align()
+    stock_eager = eager_us(path.baseline, layer_set, device)
+    align()
+    candidate_eager = eager_us(path.candidate, layer_set, device)
     performance = PerformanceEvidence(
         method=timing.method,
         is_gpu_evidence=device.type == "cuda",
@@ -430,8 +441,8 @@ def measure_case(
         **samples,
         captures=len(stock_steps),
         stop_reason=timing.stop_reason,
-        stock_eager_us=eager_us(path.baseline, layer_set, device),
-        candidate_eager_us=eager_us(path.candidate, layer_set, device),
+        stock_eager_us=stock_eager,
+        candidate_eager_us=candidate_eager,
         stock_kernels_per_layer=stock_profile.kernels_per_layer,
         candidate_kernels_per_layer=candidate_profile.kernels_per_layer,
         stock_kernel_us_per_layer=stock_profile.kernel_us_per_layer,

@@ -49,7 +49,7 @@ from harness.evaluation.evidence import PerformanceEvidence
 from harness.evaluation.loading import LoadedPath, PathFn, load_path, use_triton_interpreter
 from harness.evaluation.outcomes import Crashed, Mismatch, Outcome, Passed, TimedOut
 from harness.evaluation.plan import derive_seed
-from harness.evaluation.timing import StopRule, Timing
+from harness.evaluation.timing import RankSync, StopRule, Timing
 from scopes.manifest import ScopeManifest
 
 Tensors = dict[str, torch.Tensor]
@@ -218,8 +218,9 @@ def _rank_main(rank: int, world_size: int, task: RankTask) -> RankResult:
         # alone would wait forever in a collective its failed peers never join)
         return RankResult(checked)
     shared = _pre_shared_path(path, case, cp_rank, group)
+    sync = RankSync(lambda layers: _most_of_all_ranks(layers, device), lambda: _align(device))
     performance, stale, timing = measure_case(
-        shared, case, seed, task.stop, task.max_layers, device, manifest
+        shared, case, seed, task.stop, task.max_layers, device, manifest, sync
     )
     try:
         stale += still_correct_after_timing(sharing, case, seed, manifest, device)
@@ -242,6 +243,19 @@ def _join_cp_group(rank: int, world_size: int, cp: int) -> tuple[dist.ProcessGro
         if first <= rank < first + cp:
             mine = group
     return (mine if cp > 1 else None), rank % cp
+
+
+def _align(device: torch.device) -> None:
+    """Return on every rank at about the same moment: a collective, then this rank's GPU idle."""
+    dist.all_reduce(torch.zeros(1, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _most_of_all_ranks(value: int, device: torch.device) -> int:
+    most = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 def _all_ranks(passed: bool, device: torch.device) -> bool:

@@ -78,13 +78,37 @@ def l2_cache_bytes(device: torch.device) -> int:
     return 32 * 2**20
 
 
+@dataclass(frozen=True)
+class RankSync:
+    """How the ranks of a multi-GPU case keep their timed graphs in step (harness.evaluation.
+    ranks); None for a case on one process.
+
+    layers: the layer count every rank uses, from each one's own. A CP rank's cache slice, and
+        so its bytes per layer, can differ from its peer's; graphs with different numbers of
+        collectives would pair the wrong ones and hang.
+    align: returns on every rank at about the same moment. Called before each measured block:
+        a rank that starts early would otherwise count its wait for the late one in the first
+        collective as its own time."""
+
+    layers: Callable[[int], int]
+    align: Callable[[], None]
+
+
 def build_layers(
-    path: LoadedPath, case: Case, secret_seed: int, device: torch.device, max_layers: int
+    path: LoadedPath,
+    case: Case,
+    secret_seed: int,
+    device: torch.device,
+    max_layers: int,
+    sync: RankSync | None = None,
 ) -> LayerSet:
-    """Distinct weights, inputs and outputs per layer; as many layers as exceed 2x L2."""
+    """Distinct weights, inputs and outputs per layer; as many layers as exceed 2x L2 (on N
+    ranks, the largest count any rank wants)."""
     args = [_layer_args(path, case, secret_seed, 0, device)]
     bytes_per_layer = _bytes(args[0])
     layers = layers_for(bytes_per_layer, device, max_layers)
+    if sync is not None:
+        layers = sync.layers(layers)
     args += [_layer_args(path, case, secret_seed, layer, device) for layer in range(1, layers)]
     return LayerSet(args, bytes_per_layer * layers)
 
@@ -109,10 +133,12 @@ def sample_interleaved(
     device: torch.device,
     stop: StopRule,
     seed: int,
+    sync: RankSync | None = None,
 ) -> Timing:
     """A B, B A, ... in batches, until the speedup CI is narrow enough or time runs out.
 
     stock and candidate hold one step runner per capture; batch k uses capture k % captures.
+    On N ranks every batch starts aligned.
     """
     method = "cuda-graph" if device.type == "cuda" else "cpu-host-clock"
     timing = Timing(method, len(layer_set.args), layer_set.working_set_bytes)
@@ -120,6 +146,8 @@ def sample_interleaved(
     batch = 0
     while True:
         capture = batch % len(stock)
+        if sync is not None:
+            sync.align()
         new_pairs = timed_pairs(stock[capture], candidate[capture], stop.pairs_per_batch, device)
         for stock_us, candidate_us in new_pairs:
             timing.stock_us.append(stock_us / timing.layers)

@@ -265,3 +265,17 @@ def test_a_harness_package_in_a_checkout_does_not_replace_the_ranks_harness(
     outcome = run_on_ranks(where_harness_came_from, 2, "gloo", 60.0, (str(tmp_path),))
     assert isinstance(outcome, RanksFinished), outcome
     assert outcome.results == ((str(REPO_ROOT), str(checkout)),) * 2
+
+
+def most_layers_of_all(rank: int, world_size: int, folder: str) -> int:
+    from harness.evaluation.ranks import _most_of_all_ranks
+
+    return _most_of_all_ranks(3 + 2 * rank, torch.device("cpu"))
+
+
+def test_ranks_agree_on_the_layer_count_of_their_timed_graphs(tmp_path: Path) -> None:
+    """A CP rank's slice (and bytes per layer) can differ from its peer's, and so the layer
+    count build_layers picks for it; the ranks must all use one count, the largest."""
+    outcome = run_on_ranks(most_layers_of_all, 3, "gloo", 60.0, (str(tmp_path),))
+    assert isinstance(outcome, RanksFinished), outcome
+    assert outcome.results == (7, 7, 7)

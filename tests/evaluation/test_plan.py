@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from harness.evaluation.cases import Case
+from harness.evaluation.loading import LoadedPath
 from harness.evaluation.plan import Host, derive_seed, make_plan
+from harness.evaluation.timing import RankSync, StopRule, build_layers, sample_interleaved
+from kernels.fused_add_rmsnorm import problem as rmsnorm_problem
+from kernels.fused_add_rmsnorm import stock as rmsnorm_stock
 from scopes.manifest import ScopeManifest, load_manifest_file
 
 SCOPES = Path(__file__).resolve().parents[2] / "scopes"
@@ -104,3 +111,35 @@ def test_derived_seeds_differ_by_purpose() -> None:
     assert derive_seed(1, "a") == derive_seed(1, "a")
     assert len({derive_seed(1, "a"), derive_seed(1, "b"), derive_seed(2, "a")}) == 3
     assert 0 <= derive_seed(1, "a") < 2**63
+
+
+def test_build_layers_uses_the_count_the_ranks_agreed_on() -> None:
+    problem = rmsnorm_problem.Problem({"hidden": 64})
+    forward = rmsnorm_stock.forward
+    path = LoadedPath(problem, forward, forward, lambda case: True)
+    case = Case(4, None, 1, 1, "float32", "cpu")
+    asked: list[int] = []
+
+    def agree(layers: int) -> int:
+        asked.append(layers)
+        return layers + 3
+
+    sync = RankSync(layers=agree, align=lambda: None)
+    layer_set = build_layers(path, case, 1, torch.device("cpu"), 8, sync)
+    assert asked == [8] and len(layer_set.args) == 11  # tiny layers: max_layers, then agreed
+
+
+def test_on_ranks_every_batch_of_timed_pairs_starts_aligned() -> None:
+    events: list[str] = []
+    sync = RankSync(layers=lambda n: n, align=lambda: events.append("align"))
+    stock = [lambda: events.append("stock")]
+    candidate = [lambda: events.append("candidate")]
+    problem = rmsnorm_problem.Problem({"hidden": 64})
+    forward = rmsnorm_stock.forward
+    path = LoadedPath(problem, forward, forward, lambda case: True)
+    layer_set = build_layers(path, Case(2, None, 1, 1, "float32", "cpu"), 1, torch.device("cpu"), 2)
+    stop = StopRule(min_pairs=6, max_pairs=6, pairs_per_batch=2, captures=1)
+    timing = sample_interleaved(stock, candidate, layer_set, torch.device("cpu"), stop, 1, sync)
+    assert len(timing.stock_us) == 6
+    batches = "".join("|" if e == "align" else e[0] for e in events).split("|")
+    assert batches == ["", "sccs", "sccs", "sccs"]  # A B, B A: three batches, each aligned

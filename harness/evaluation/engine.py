@@ -453,8 +453,8 @@ def measure_case(
         candidate_kernel_names=list(candidate_profile.kernel_names),
         bytes_moved=bytes_moved,
         hbm_bytes_per_s=bandwidth,
-        candidate_hbm_fraction=_fraction(bytes_moved, cand_median, bandwidth),
-        stock_hbm_fraction=_fraction(bytes_moved, samples["stock_us_median"], bandwidth),
+        candidate_hbm_fraction=hbm_fraction(bytes_moved, cand_median, bandwidth),
+        stock_hbm_fraction=hbm_fraction(bytes_moved, samples["stock_us_median"], bandwidth),
         stock_wall_us_per_layer=stock_wall,
         candidate_wall_us_per_layer=candidate_wall,
         integrity_flags=flags,
@@ -496,7 +496,9 @@ def _bytes_moved(path: LoadedPath, case: Case) -> int | None:
     return int(counter(case)) if counter else None
 
 
-def _fraction(bytes_moved: int | None, time_us: float, bytes_per_s: float | None) -> float | None:
+def hbm_fraction(
+    bytes_moved: int | None, time_us: float, bytes_per_s: float | None
+) -> float | None:
     """Fraction of the measured copy bandwidth reached: HBM floor time over measured time."""
     if bytes_moved is None or bytes_per_s is None or time_us <= 0:
         return None

@@ -163,7 +163,8 @@ def _combine(ended: RanksFinished[RankResult], seed: int) -> CaseOnRanks:
     timings = [r.timing for r in ended.results]
     if root.performance is None or any(t is None for t in timings):
         return CaseOnRanks(Crashed("a rank returned no timing"), root.correctness, None)
-    performance = _slowest_rank_performance(root.performance, timings, seed)  # type: ignore[arg-type]
+    performances = [r.performance for r in ended.results]
+    performance = _slowest_rank_performance(performances, timings, seed)  # type: ignore[arg-type]
     stale = [f"rank {rank}: {why}" for rank, r in enumerate(ended.results) for why in r.stale or []]
     outcome: Outcome = Mismatch(tuple(stale)) if stale else Passed()
     return CaseOnRanks(outcome, root.correctness, performance)
@@ -178,16 +179,36 @@ def _on_rank(rank: int, outcome: Outcome) -> Outcome:
 
 
 def _slowest_rank_performance(
-    root: PerformanceEvidence, timings: list[Timing], seed: int
+    performances: list[PerformanceEvidence], timings: list[Timing], seed: int
 ) -> PerformanceEvidence:
-    from harness.evaluation.engine import sample_statistics  # the engine imports this module
+    """Rank 0's evidence with the slowest rank's samples, the statistics and floor fractions
+    recomputed from them, and every rank's integrity flags (a rank's own, named)."""
+    # the engine imports this module
+    from harness.evaluation.engine import hbm_fraction, sample_statistics
 
+    root = performances[0]
     slowest = replace(
         timings[0],
         stock_us=slowest_rank_us([t.stock_us for t in timings]),
         candidate_us=slowest_rank_us([t.candidate_us for t in timings]),
     )
-    return root.model_copy(update=sample_statistics(slowest, seed))
+    samples = sample_statistics(slowest, seed)
+    bytes_moved, bandwidth = root.bytes_moved, root.hbm_bytes_per_s
+    flags = list(root.integrity_flags) + [
+        f"rank {rank}: {flag}"
+        for rank, performance in enumerate(performances[1:], start=1)
+        for flag in performance.integrity_flags
+    ]
+    return root.model_copy(
+        update={
+            **samples,
+            "candidate_hbm_fraction": hbm_fraction(
+                bytes_moved, samples["candidate_us_median"], bandwidth
+            ),
+            "stock_hbm_fraction": hbm_fraction(bytes_moved, samples["stock_us_median"], bandwidth),
+            "integrity_flags": flags,
+        }
+    )
 
 
 # --- in each rank ---

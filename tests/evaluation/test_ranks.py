@@ -7,6 +7,7 @@ float64 reference attends over the whole cache on one process.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import MappingProxyType
 
@@ -159,3 +160,29 @@ def test_the_fused_layer_under_cp_on_two_gpus(cp: int) -> None:
     ran = run_case_on_ranks(manifest, case, 11, 1, GPU_FAST, 4, torch.device("cuda"), 600.0)
     assert ran.outcome.status == "passed", ran.outcome
     assert ran.performance is not None and ran.performance.speedup > 1.0
+
+
+def test_a_multi_rank_case_reports_the_slowest_ranks_fraction_and_every_ranks_flags() -> None:
+    """The samples are the slowest rank's, so the floor fraction must be too; an integrity flag
+    raised on any rank must reach the evidence (named by rank), not only rank 0's."""
+    from harness.evaluation.engine import hbm_fraction
+    from harness.evaluation.evidence import PerformanceEvidence
+    from harness.evaluation.ranks import _slowest_rank_performance
+    from harness.evaluation.timing import Timing
+
+    run = Path(__file__).resolve().parents[2] / "docs/runs/2026-12-03-kimi-k2-h200-quick"
+    stored = json.loads((run / "evidence.json").read_text())["cases"][0]["performance"]
+    root = PerformanceEvidence.model_validate(stored | {"integrity_flags": ["a rank-0 flag"]})
+    peer = root.model_copy(update={"integrity_flags": ["wall clock 3x the events"]})
+    fast = [100.0 + i % 3 for i in range(30)]
+    timings = [
+        Timing("cuda-graph", 2, 1, stock_us=fast, candidate_us=fast, capture_index=[0] * 30),
+        Timing("cuda-graph", 2, 1, stock_us=fast, candidate_us=[2 * t for t in fast],
+               capture_index=[0] * 30),
+    ]  # fmt: skip
+    combined = _slowest_rank_performance([root, peer], timings, seed=1)
+    assert combined.candidate_us_median == 2 * 101.0
+    expected = hbm_fraction(root.bytes_moved, 202.0, root.hbm_bytes_per_s)
+    assert combined.candidate_hbm_fraction == pytest.approx(expected)
+    assert combined.candidate_hbm_fraction != root.candidate_hbm_fraction
+    assert combined.integrity_flags == ["a rank-0 flag", "rank 1: wall clock 3x the events"]

@@ -6,6 +6,7 @@ import json
 import secrets
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
@@ -25,6 +26,8 @@ from scopes.manifest import ManifestError, ScopeManifest, load_manifest_file
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3, "NEEDS_REVIEW": 4}
 EXIT_USAGE = 2
+EXIT_NO_VERDICT = 5  # the run stopped before a verdict: an internal error
+EXIT_INTERRUPTED = 130
 VERDICT_STYLE = {
     "PASS": "bold green",
     "FAIL": "bold red",
@@ -63,9 +66,10 @@ def validate(
     ] = False,
 ) -> None:
     """Run the scope's plan: correctness, timing and claims, stock vs candidate; exit 0 on PASS,
-    1 on FAIL, 3 on INCONCLUSIVE, 4 on NEEDS_REVIEW, 2 on a bad manifest or usage. After every
-    case the cases so far go to checkpoint.json in the output folder; `--resume` (with the
-    same options) runs only the cases an interrupted run had not finished."""
+    1 on FAIL, 3 on INCONCLUSIVE, 4 on NEEDS_REVIEW, 2 on a bad manifest or usage, 5 when the
+    run stopped on an internal error. After every case the cases so far go to checkpoint.json
+    in the output folder; `--resume` (with the same options) runs only the cases an
+    interrupted run had not finished."""
     from harness.evaluation import checkpoint
     from harness.evaluation.engine import EngineOptions, evaluate, reproduce_command
     from harness.reports.markdown import render_markdown
@@ -73,10 +77,18 @@ def validate(
     manifest = _load_or_exit(scope)
     out_dir = out or get_settings().output_dir / manifest.name
     checkpoint_path = out_dir / checkpoint.FILE_NAME
+    if checkpoint_path.exists() and not resume:
+        console.print(
+            f"error: {checkpoint_path} holds an unfinished run: finish it with --resume, or "
+            "delete the file to start over",
+            markup=False,
+            soft_wrap=True,  # a path broken over two lines cannot be copied
+        )
+        raise typer.Exit(EXIT_USAGE)
     try:
         earlier = checkpoint.read(checkpoint_path) if resume else None
     except checkpoint.ResumeRefused as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=False)
+        console.print(f"error: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from None
     if earlier is not None and seed is None:
         seed = earlier.seed  # the plan is a function of the seed: the same cases
@@ -95,8 +107,19 @@ def validate(
         with _progress() as progress:
             evidence = evaluate(manifest, options, progress)
     except (DeviceUnavailable, checkpoint.ResumeRefused) as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=False)
+        console.print(f"error: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from None
+    except KeyboardInterrupt:
+        console.print(f"interrupted; {_saved(checkpoint_path)}", markup=False, soft_wrap=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Exception as exc:  # an internal error: say so, keep the traceback, lose no case
+        log = out_dir / "error.log"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        log.write_text(traceback.format_exc())
+        message = f"error: the run stopped: {type(exc).__name__}: {exc}"[:500]
+        saved = _saved(checkpoint_path)
+        console.print(f"{message} (traceback in {log}); {saved}", markup=False, soft_wrap=True)
+        raise typer.Exit(EXIT_NO_VERDICT) from None
     _write(out_dir, evidence, render_markdown(evidence))
     checkpoint_path.unlink(missing_ok=True)  # the evidence holds every case now
     _print_summary(evidence, out_dir)
@@ -217,6 +240,18 @@ def _load_or_exit(scope: Path) -> ScopeManifest:
         for problem in exc.problems:
             console.print(f"  {problem}", markup=False)
         raise typer.Exit(EXIT_USAGE) from None
+
+
+def _saved(checkpoint_path: Path) -> str:
+    """What an interrupted run left, and how to finish it."""
+    from harness.evaluation import checkpoint
+
+    try:
+        cases = len(checkpoint.read(checkpoint_path).cases)
+    except checkpoint.ResumeRefused:
+        return "no case was finished"
+    where = f"{cases} finished case(s) are in {checkpoint_path}"
+    return f"{where}: the same command with --resume runs the rest"
 
 
 @contextmanager

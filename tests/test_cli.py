@@ -143,10 +143,15 @@ def test_an_interrupted_run_resumes_where_it_stopped(tmp_path: Path, monkeypatch
     ran = _count_cases(monkeypatch, stop_after=2)
     args = ["validate", str(scope), "--device", "cpu", "--quick", "--out", str(out)]
     first = CliRunner().invoke(app, args)
-    assert isinstance(first.exception, _Interrupted)
+    assert first.exit_code == 5, first.output  # stopped before a verdict: not a FAIL's 1
+    assert "error: the run stopped: _Interrupted" in first.output
+    assert "2 finished case(s) are in" in first.output and "--resume" in first.output
+    assert "Traceback" not in first.output and "_Interrupted" in (out / "error.log").read_text()
     saved = json.loads((out / "checkpoint.json").read_text())
     assert [c["id"] for c in saved["cases"]] == ran and len(ran) == 2
     assert not (out / "evidence.json").exists()
+    again = CliRunner().invoke(app, args)  # without --resume: the saved cases are not lost
+    assert again.exit_code == 2 and "holds an unfinished run" in again.output
 
     monkeypatch.undo()
     ran_again = _count_cases(monkeypatch)
@@ -193,3 +198,43 @@ def test_a_resume_under_other_settings_is_refused(tmp_path: Path, monkeypatch) -
     (out / "checkpoint.json").write_text("{not json")
     broken = CliRunner().invoke(app, [*args, "--resume"])
     assert broken.exit_code == 2 and "not a pathgate checkpoint" in broken.output
+
+
+def test_ctrl_c_says_what_was_saved(tmp_path: Path, monkeypatch) -> None:
+    from harness.evaluation import engine
+
+    real_run_case = engine.run_case
+    calls: list[int] = []
+
+    def interrupted_run_case(*args, **kwargs):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real_run_case(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "run_case", interrupted_run_case)
+    out = tmp_path / "out"
+    args = ["validate", str(_small_scope(tmp_path, [])), "--device", "cpu", "--quick"]
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 130
+    assert result.output.splitlines()[-1].startswith("interrupted; 1 finished case(s) are in")
+
+
+def test_resume_ignores_clock_readings_and_the_git_revision_but_not_the_driver() -> None:
+    """The environment as a CUDA host records it: the clocks move between two runs on one
+    machine, and the git revision with any docs-only commit (the code digest checks the code)."""
+    from harness.evaluation.checkpoint import Checkpoint, mismatches
+
+    environment = {
+        "host_gpu": "H200", "driver": "580.159.04", "sm_clock": "1980 MHz",
+        "mem_clock": "3201 MHz", "harness_sha": "a" * 40, "fingerprint_hash": "1" * 16,
+    }  # fmt: skip
+    then = Checkpoint(
+        scope="s", manifest={}, seed=1, device="cuda", quick=False, gpus=None,
+        environment=environment, code_digest="d", started_at="t", cases=[],
+    )  # fmt: skip
+    idle = {"sm_clock": "345 MHz", "mem_clock": "1593 MHz", "harness_sha": "b" * 40 + "-dirty"}
+    now = then.model_copy(update={"environment": environment | idle | {"fingerprint_hash": "2"}})
+    assert mismatches(then, now) == []
+    other_driver = now.model_copy(update={"environment": now.environment | {"driver": "590.1"}})
+    assert mismatches(then, other_driver) == ["environment driver: '580.159.04' then, '590.1' now"]

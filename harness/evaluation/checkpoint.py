@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,10 @@ from pydantic import ValidationError
 from harness.evaluation.evidence import CaseEvidence, Model
 
 FILE_NAME = "checkpoint.json"
-# Readings that change from one moment to the next on the same machine: not part of the match.
-VOLATILE_ENVIRONMENT = {"fingerprint_hash", "clocks.sm", "clocks.mem"}
+# Not part of the match: readings that change from one moment to the next on the same machine
+# (clocks, and the hash over them), and the git revision, which also changes with a docs-only
+# commit or an edited test; `code_digest` is the check on the code.
+VOLATILE_ENVIRONMENT = {"fingerprint_hash", "sm_clock", "mem_clock", "harness_sha"}
 # Not code a validation runs: environments, outputs, and the test suite (editing a test between
 # the two halves of a run changes no measurement).
 SKIPPED = {"venv", "site-packages", "node_modules", "pathgate-out", "__pycache__", "tests"}
@@ -49,11 +52,20 @@ class Checkpoint(Model):
 
 
 def write(path: Path, checkpoint: Checkpoint) -> None:
-    """Replace the file in one step, so an interruption mid-write leaves the previous one."""
+    """Replace the file in one step, on disk before it replaces the previous one: a machine
+    lost mid-write leaves the previous checkpoint, never a partial one. The temporary file's
+    name is unique, so two runs writing to one folder cannot move each other's."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(checkpoint.model_dump_json())
-    partial.replace(path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".checkpoint-", suffix=".json")
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(checkpoint.model_dump_json())
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def read(path: Path) -> Checkpoint:

@@ -60,8 +60,8 @@ NCCL_RANK_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
     "NCCL_SOCKET_IFNAME": "lo",
     "NCCL_IB_DISABLE": "1",
-    "NCCL_DEBUG": "WARN",
 }
+NCCL_RANK_ENV_DEFAULTS = {"NCCL_DEBUG": "WARN"}  # unless the user chose a level
 STARTUP_TIMEOUT_S = 120.0
 HARNESS_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding this `harness`
 EXIT_GRACE_S = 10.0  # after success: time for the ranks to leave the group before a kill
@@ -192,6 +192,9 @@ def _rank_main(rank: int, world_size: int, launch: _Launch, conn: Connection, pa
     if launch.backend == "nccl":
         # Destroying a NCCL group whose collectives were captured in CUDA graphs can hang
         # (pytorch#115388); the result is delivered, so leave without tearing anything down.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
         os._exit(0)
     dist.destroy_process_group()
 
@@ -200,6 +203,8 @@ def _join_group(rank: int, world_size: int, launch: _Launch) -> None:
     device_id = None
     if launch.backend == "nccl":
         os.environ.update(NCCL_RANK_ENV)  # read by NCCL when the communicator is created
+        for name, value in NCCL_RANK_ENV_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         torch.cuda.set_device(rank)
         device_id = torch.device("cuda", rank)
     dist.init_process_group(

@@ -107,10 +107,11 @@ def evaluate(
     started_at = _now()
     host = detect_host(options.device)
     secret_seed = options.seed if options.seed is not None else secrets.randbits(63)
-    environment = fingerprint(host)
     plan = make_plan(manifest, host, secret_seed, options.quick, options.gpus)
     notes = [CPU_NOTE] if host.device == "cpu" else []
-    record = _checkpointer(manifest, options, host, secret_seed, environment, started_at)
+    record = None
+    if options.checkpoint is not None or options.resume is not None:
+        record = _checkpointer(manifest, options, host, secret_seed, started_at)
     if options.resume is not None:
         notes.append(checkpoints.resume_note(options.resume, started_at))
         started_at = options.resume.started_at
@@ -137,7 +138,7 @@ def evaluate(
             finished_at=_now(),
             command=command,
         ),
-        environment=environment,
+        environment=fingerprint(host),  # after the run: clocks as they were under load
         not_run=list(plan.not_run),
         cases=run.cases,
         probes=run.probes,
@@ -157,11 +158,11 @@ def _checkpointer(
     options: EngineOptions,
     host: Host,
     seed: int,
-    environment: dict[str, Any],
     started_at: str,
 ) -> Recorder | None:
     """What writes the checkpoint after each case (None: no checkpoint asked for). Refuses a
     resume whose checkpoint was made under other settings (ResumeRefused)."""
+    environment = fingerprint(host)
     current = checkpoints.Checkpoint(
         scope=manifest.name,
         manifest=manifest.model_dump(mode="json"),
@@ -249,10 +250,10 @@ def _run_plan(
         if evidence is None:
             evidence = run_case(path, case, manifest, secret_seed, options, device)
         run.cases.append(evidence)
+        if _tampered(snapshot, f"running {case.id}", run):
+            return  # and no checkpoint: a resumed run's fresh process would not see it
         if record:
             record(run.cases)
-        if _tampered(snapshot, f"running {case.id}", run):
-            return
     for index, probe in enumerate(plan.probes, start=len(plan.cases)):
         if progress:
             progress(index, total, probe.origin)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# A long `pathgate validate` on a lent GPU, across several device calls (each at most 10
+# minutes, and the machine can be taken back when the session's device time runs out).
+#
+#   bash benchmarks/device_validate.sh start SCOPE [validate options...]
+#       starts the run in the background (with --resume when pathgate-out/device-validate
+#       already holds a checkpoint, e.g. carried in from an earlier session) and returns;
+#   bash benchmarks/device_validate.sh wait SECONDS
+#       waits up to SECONDS for it, then copies what there is (checkpoint.json, or the
+#       evidence and report once it has finished, and the log) to $OUT. Keep SECONDS well
+#       inside the call's limit_s, which shrinks to the device time left.
+#
+# To continue in a later session: carry pathgate-out/device-validate/checkpoint.json (the
+# device call's `carry`) and run `start` again with the same options; no Python file outside
+# the tests may change in between, or the resume is refused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN_DIR=pathgate-out/device-validate
+LOG=/tmp/device-validate.log
+PID_FILE=/tmp/device-validate.pid
+
+case "${1:-}" in
+start)
+    scope=$2
+    shift 2
+    resume=()
+    [[ -f $RUN_DIR/checkpoint.json ]] && resume=(--resume)
+    nohup python3 -m harness.cli validate "$scope" --out "$RUN_DIR" "${resume[@]}" "$@" \
+        > "$LOG" 2>&1 &
+    echo $! > "$PID_FILE"
+    echo "started pid $(cat "$PID_FILE") ${resume[*]}"
+    ;;
+wait)
+    deadline=$((SECONDS + $2))
+    pid=$(cat "$PID_FILE")
+    while kill -0 "$pid" 2> /dev/null && ((SECONDS < deadline)); do
+        sleep 5
+    done
+    if kill -0 "$pid" 2> /dev/null; then echo "still running"; else echo "finished"; fi
+    mkdir -p "$OUT"
+    cp "$LOG" "$OUT/" 2> /dev/null || true
+    for name in checkpoint.json evidence.json report.md error.log; do
+        cp "$RUN_DIR/$name" "$OUT/" 2> /dev/null || true
+    done
+    grep -v -i warning "$LOG" | tail -n 25
+    ;;
+*)
+    echo "usage: $0 start SCOPE [options] | wait SECONDS" >&2
+    exit 2
+    ;;
+esac

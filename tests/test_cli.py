@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.evaluation.evidence import SCHEMA_VERSION, Evidence
+from scopes.manifest import load_manifest_file
 
 SCOPES = Path(__file__).resolve().parents[1] / "scopes"
 
@@ -238,3 +240,22 @@ def test_resume_ignores_clock_readings_and_the_git_revision_but_not_the_driver()
     assert mismatches(then, now) == []
     other_driver = now.model_copy(update={"environment": now.environment | {"driver": "590.1"}})
     assert mismatches(then, other_driver) == ["environment driver: '580.159.04' then, '590.1' now"]
+
+
+def test_resume_requires_the_same_engine_options(tmp_path: Path) -> None:
+    """Trials, layers and the stop rule shape the measurements as much as --quick does; an
+    API caller that sets them resumes only under the same ones."""
+    from harness.evaluation import checkpoint
+    from harness.evaluation.engine import EngineOptions, evaluate
+    from harness.evaluation.timing import StopRule
+
+    manifest = load_manifest_file(_small_scope(tmp_path, []))
+    path = tmp_path / "checkpoint.json"
+    stop = StopRule(4, 10, 1.0, 0.05, 2)
+    options = EngineOptions(device="cpu", quick=True, seed=5, trials=1, stop=stop, checkpoint=path)
+    evaluate(manifest, options)
+    saved = checkpoint.read(path)
+    assert saved.trials == 1 and saved.stop is not None and saved.stop["max_pairs"] == 10
+    other = EngineOptions(device="cpu", quick=True, seed=5, trials=2, stop=stop, resume=saved)
+    with pytest.raises(checkpoint.ResumeRefused, match="trials: 1 then, 2 now"):
+        evaluate(manifest, other)

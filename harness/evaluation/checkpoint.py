@@ -45,6 +45,10 @@ class Checkpoint(Model):
     device: str
     quick: bool
     gpus: int | None
+    # the engine's options below --quick (None: its defaults); the CLI never sets them
+    trials: int | None = None
+    max_layers: int | None = None
+    stop: dict[str, Any] | None = None
     environment: dict[str, Any]
     code_digest: str  # of every Python file under the repository: a dirty tree is still pinned
     started_at: str
@@ -80,7 +84,7 @@ def read(path: Path) -> Checkpoint:
 def mismatches(checkpoint: Checkpoint, current: Checkpoint) -> list[str]:
     """Why the run `current` (no cases yet) may not continue `checkpoint`; empty if it may."""
     problems = []
-    for name in ("scope", "seed", "device", "quick", "gpus"):
+    for name in ("scope", "seed", "device", "quick", "gpus", "trials", "max_layers", "stop"):
         if getattr(checkpoint, name) != getattr(current, name):
             problems.append(
                 f"{name}: {getattr(checkpoint, name)!r} then, {getattr(current, name)!r} now"

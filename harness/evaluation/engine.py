@@ -12,7 +12,7 @@ import secrets
 import shlex
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -170,6 +170,9 @@ def _checkpointer(
         device=host.device,
         quick=options.quick,
         gpus=options.gpus,
+        trials=options.trials,
+        max_layers=options.max_layers,
+        stop=asdict(options.stop) if options.stop else None,
         environment=environment,
         code_digest=checkpoints.code_digest(REPO_ROOT),
         started_at=options.resume.started_at if options.resume else started_at,

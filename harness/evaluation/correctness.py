@@ -75,14 +75,16 @@ def check_case(
     tolerance: Tolerance,
     device: torch.device,
     all_passed: Callable[[bool], bool] | None = None,
+    all_settled: Callable[[bool], bool] | None = None,
 ) -> CorrectnessResult:
     """`all_passed(this_one_passed)`: on N ranks, whether every rank's trial passed, so that
     all stop after the same trial (a rank that stopped alone would leave its peers waiting in
-    a collective)."""
+    a collective). `all_settled(this_one_settled)`: likewise whether every rank's inputs need
+    no redraw, so that all draw the same number of times."""
     results: list[TrialResult] = []
     for trial in range(trials):
         try:
-            seed, result = _trial(path, case, secret_seed, trial, tolerance, device)
+            seed, result = _trial(path, case, secret_seed, trial, tolerance, device, all_settled)
         except CandidateCrash as crash:
             return CorrectnessResult(Crashed(crash.error), results)
         results.append(result)
@@ -103,16 +105,19 @@ def _trial(
     trial: int,
     tolerance: Tolerance,
     device: torch.device,
+    all_settled: Callable[[bool], bool] | None = None,
 ) -> tuple[int, TrialResult]:
     """One trial; drawn again (at most REDRAWS times) while more rows are near-tie decisions
     than may be left out: at batch 1 one such token is the whole output. After the last redraw
-    every row is compared, so a problem that calls everything ambiguous gains nothing."""
+    every row is compared, so a problem that calls everything ambiguous gains nothing. On N
+    ranks all draw again while any one needs to (each candidate call may hold collectives)."""
     for attempt in range(REDRAWS + 1):
         seed = derive_seed(
             secret_seed, case.id, "trial", trial, *(("redraw", attempt) if attempt else ())
         )
         result = run_trial(path, case, seed, tolerance, device)
-        if not result.over_cap:
+        settled = not result.over_cap
+        if all_settled(settled) if all_settled else settled:
             break
     if attempt:
         result.notes.append(f"inputs drawn {attempt} more time(s): too many near-tie rows")

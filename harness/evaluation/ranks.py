@@ -234,7 +234,14 @@ def _rank_main(rank: int, world_size: int, task: RankTask) -> RankResult:
         return agreed[-1]
 
     checked = correctness_mod.check_case(
-        sharing, case, seed, task.trials, manifest.tolerance, device, all_passed
+        sharing,
+        case,
+        seed,
+        task.trials,
+        manifest.tolerance,
+        device,
+        all_passed,
+        all_settled=lambda settled: _all_ranks(settled, device),
     )
     if isinstance(checked.outcome, Crashed):
         raise RankFailed(checked.outcome.error)  # the parent stops every rank at once

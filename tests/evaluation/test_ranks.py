@@ -186,3 +186,15 @@ def test_a_multi_rank_case_reports_the_slowest_ranks_fraction_and_every_ranks_fl
     assert combined.candidate_hbm_fraction == pytest.approx(expected)
     assert combined.candidate_hbm_fraction != root.candidate_hbm_fraction
     assert combined.integrity_flags == ["a rank-0 flag", "rank 1: wall clock 3x the events"]
+
+
+def test_ranks_draw_fresh_inputs_together_when_one_rank_needs_them() -> None:
+    """A trial whose inputs put too many rows on near-ties is drawn again; a rank that did so
+    alone would call the path (and its collectives) once more than its peer."""
+    data = _manifest().model_dump(mode="json")
+    data["path"]["problem"] = "tests.evaluation.rank_paths:OverCapOnRankZeroOnce"
+    manifest = ScopeManifest.model_validate(data)
+    ran = run_case_on_ranks(manifest, _case(2, 2), 11, 2, STOP, 2, CPU, 120.0)
+    assert ran.outcome.status == "passed", ran.outcome
+    assert ran.correctness is not None
+    assert "inputs drawn 1 more time(s)" in " ".join(ran.correctness.trials[0].notes)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.mla_moe_device_check import Target, bandwidths
 from harness.evaluation.cases import Case
 from harness.evaluation.stats import median
 from harness.evaluation.timing import timed_pairs
@@ -94,21 +95,6 @@ def layer_bounds(per_kernel: float, read_bw: float) -> list[dict[str, float]]:
     return rows
 
 
-def read_bandwidth() -> float:
-    """Bytes per second of a sum over 2 GiB of bf16 (read only), best of 5."""
-    x = torch.ones(2**30, dtype=torch.bfloat16, device="cuda")
-    x.sum()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        x.sum()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return x.nbytes / min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
@@ -127,7 +113,7 @@ def main() -> None:
             row = {"programs": programs, "mode": mode, **per_kernel_us(programs, level)}
             chains.append(row)
             print(row, flush=True)
-    read_bw = read_bandwidth()
+    _, read_bw = bandwidths(Target(torch.device("cuda"), small=False))
     plain = next(r for r in chains if r["programs"] == sm_count and r["mode"] == "off")
     bounds = layer_bounds(plain["per_kernel_us"], read_bw)
     result = {

@@ -752,7 +752,7 @@ def _empty_cache(t: Target) -> None:
         torch.cuda.empty_cache()
 
 
-def _bandwidths(t: Target) -> tuple[float, float]:
+def bandwidths(t: Target) -> tuple[float, float]:
     """(copy bytes read + written per second, read-only bytes per second of a bf16 sum)."""
     nbytes = 2**30 if t.on_gpu else 2**26
     data = torch.ones(nbytes // 2, dtype=BF16, device=t.device)
@@ -859,7 +859,7 @@ def main() -> None:
     t = Target(torch.device("cpu" if args.small else "cuda"), args.small)
     started = time.perf_counter()
     problem = Problem(dict(fused.CPU_TEST_CONFIG) if args.small else {})
-    copy_bw, read_bw = _bandwidths(t)
+    copy_bw, read_bw = bandwidths(t)
     environment = _environment(t)
     if args.input_norm == "triton":
         cute_kernels.add_rmsnorm = _triton_input_norm

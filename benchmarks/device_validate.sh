@@ -25,8 +25,9 @@ start)
     shift 2
     resume=()
     [[ -f $RUN_DIR/checkpoint.json ]] && resume=(--resume)
-    nohup python3 -m harness.cli validate "$scope" --out "$RUN_DIR" "${resume[@]}" "$@" \
-        > "$LOG" 2>&1 &
+    # setsid: the device kills what a call leaves running unless it is in a session of its own.
+    setsid nohup python3 -m harness.cli validate "$scope" --out "$RUN_DIR" "${resume[@]}" "$@" \
+        > "$LOG" 2>&1 < /dev/null &
     echo $! > "$PID_FILE"
     echo "started pid $(cat "$PID_FILE") ${resume[*]}"
     ;;

@@ -21,6 +21,11 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
     python3 benchmarks/mla_moe_device_check.py                  # about 6-8 min on an H200
     python3 benchmarks/mla_moe_device_check.py --quick          # about 3 min
     python3 benchmarks/mla_moe_device_check.py --only-kernels   # part 1 only
+    python3 benchmarks/mla_moe_device_check.py --profile-fused  # instead of parts 1 and 2:
+        one replay of the fused 3-layer graph under torch.profiler (CUPTI) at batch 1 and 8:
+        each kernel's duration and the idle gap before it, middle layer
+    python3 benchmarks/mla_moe_device_check.py --sweep-attention  # instead of parts 1 and 2:
+        the split-KV attention + combine alone at batch 1 and 8 in each ATTENTION_VARIANTS tiling
     python3 benchmarks/mla_moe_device_check.py --sweep-pdl      # instead of parts 1 and 2:
         the fused layer in each programmatic dependent launch mode
         (triton_common.dependent_launch), each against "off" in alternating replays, and
@@ -40,7 +45,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -60,7 +65,13 @@ from harness.evaluation.timing import LayerSet, capture_graph, run_layers, timed
 from kernels.mla_moe_decode import cute_kernels, fused, stock, triton_common
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem, activated_local_experts
-from kernels.mla_moe_decode.triton_attention import latent_prep, mla_attention, q_absorb, w_uv
+from kernels.mla_moe_decode.triton_attention import (
+    AttentionBlocks,
+    latent_prep,
+    mla_attention,
+    q_absorb,
+    w_uv,
+)
 from kernels.mla_moe_decode.triton_gemv import gemv_blocks, splitk_gemv
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, route
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm
@@ -316,10 +327,17 @@ def _check_q_absorb(
 
 
 def _check_attention(
-    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target, context: int
+    c: LayerConfig,
+    w: Tensors,
+    batch: int,
+    gen: torch.Generator,
+    t: Target,
+    context: int,
+    blocks: AttentionBlocks | None = None,
 ) -> KernelCheck:
+    """`blocks`: tiles and splits other than the fused path's plan."""
     context = min(context, fused.CPU_CONTEXT[1]) if t.small else context
-    plan = _plan(c, batch, context, t).attention
+    plan = blocks or _plan(c, batch, context, t).attention
     q_lat = _randn((batch, c.heads, c.latent_dim), gen, t, 2.0)
     cache = _randn((batch, context, c.latent_dim), gen, t)
     kv_new = _randn((batch, c.latent_dim), gen, t)
@@ -529,12 +547,14 @@ def _soft_kernel(
 
 # (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages); block_m follows the batch
 MOE_TILES_SMALL = [
-    (8, 256, 16, 256, 4, 4),  # the plan for batch <= 16
-    (16, 256, 16, 256, 4, 4),
-    (8, 512, 16, 512, 4, 3),
-    (8, 256, 32, 256, 4, 4),
-    (16, 128, 32, 128, 4, 6),
-    (8, 256, 16, 256, 8, 4),
+    (16, 128, 32, 128, 4, 6),  # the plan for batch <= 16
+    (8, 128, 32, 128, 4, 6),  # with the compact grid (batch <= 5) small tiles cost no idle programs
+    (8, 256, 32, 128, 4, 4),
+    (8, 128, 16, 128, 4, 6),
+    (16, 256, 32, 128, 4, 4),
+    (16, 64, 32, 64, 4, 8),
+    (32, 128, 32, 128, 4, 4),
+    (16, 128, 64, 128, 4, 4),
 ]
 MOE_TILES_LARGE = [
     (16, 128, 16, 128, 4, 3),  # the plan for batch > 16
@@ -559,6 +579,62 @@ def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow
             row.note = f"tiles {tiles}; {row.note}"
             rows.append(row)
             _print_kernel_row(row)
+    return rows
+
+
+# --sweep-attention: the split-KV attention's splits and tiles at small batch, timed as part 1.
+
+# (cached tokens per tile, (token, split) programs per SM, least tiles per split, warps,
+# stages, latent columns per combine program, splits per combine step); the first is the plan
+ATTENTION_VARIANTS = [
+    (32, 2, 2, 4, 2, 128, 32),
+    (32, 1, 2, 4, 3, 128, 32),
+    (32, 4, 2, 4, 2, 128, 32),
+    (64, 1, 1, 4, 3, 128, 32),
+    (64, 2, 1, 4, 2, 128, 32),
+    (32, 2, 4, 4, 3, 128, 32),
+    (32, 2, 2, 8, 2, 128, 32),
+    (32, 2, 2, 4, 2, 64, 64),
+    (32, 1, 4, 4, 3, 64, 64),
+]
+
+
+def attention_variant(
+    plan: AttentionBlocks, context: int, batch: int, sm_count: int, variant: tuple[int, ...]
+) -> AttentionBlocks:
+    """The plan with one variant's tiles, and its splits chosen by the plan's rule: split until
+    every SM has `per_sm` (token, split) programs, keeping `least_tiles` tiles per split."""
+    block_t, per_sm, least_tiles, warps, stages, combine_cols, combine_splits = variant
+    splits = min(triton.cdiv(per_sm * sm_count, batch), triton.cdiv(context, least_tiles * block_t))
+    tokens = triton.cdiv(triton.cdiv(context, splits), block_t) * block_t
+    return replace(
+        plan,
+        block_t=block_t,
+        splits=triton.cdiv(context, tokens),
+        tokens_per_split=tokens,
+        combine_cols=combine_cols,
+        combine_splits=combine_splits,
+        split_warps=warps,
+        split_stages=stages,
+    )
+
+
+def sweep_attention(
+    problem: Problem, batches: list[int], contexts: list[int], t: Target
+) -> list[KernelRow]:
+    c = problem.config
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            plan = _plan(c, batch, context, t).attention
+            for variant in ATTENTION_VARIANTS if t.on_gpu else ATTENTION_VARIANTS[:2]:
+                blocks = attention_variant(plan, context, batch, max(t.sm_count(), 4), variant)
+                gen = torch.Generator(device=t.device).manual_seed(batch)
+                build = partial(_check_attention, context=context, blocks=blocks)
+                row = _soft_kernel(build, c, {}, batch, gen, t)
+                row.note = f"variant {variant}; {blocks.splits} splits of {blocks.tokens_per_split}"
+                rows.append(row)
+                _print_kernel_row(row)
     return rows
 
 
@@ -658,6 +734,89 @@ def _differences(got: list[Tensors], expected: list[Tensors]) -> dict[str, float
             relative = float((value.double() - reference).norm() / reference.norm())
             result[name] = max(result.get(name, 0.0), relative)
     return result
+
+
+# --profile-fused: where a fused layer's time goes, kernel by kernel, inside its CUDA graph.
+
+
+@dataclass
+class ProfileRow:
+    batch: int
+    context: int
+    layer_us: float | None = None  # first kernel start to last kernel end, per layer
+    kernels: list[dict[str, object]] = field(default_factory=list)  # one layer, launch order
+    errors: list[str] = field(default_factory=list)
+
+
+def profile_fused(problem: Problem, cases: list[tuple[int, int]], t: Target) -> list[ProfileRow]:
+    """CUPTI kernel records of one replay of the 3-layer fused graph: per kernel of the middle
+    layer its duration and the idle gap before it (launch latency between dependent kernels)."""
+    weights = [problem.make_weights(_case(1, 1024, t), seed, t.device) for seed in range(LAYERS)]
+    rows = []
+    for batch, context in cases:
+        row = ProfileRow(batch, context)
+        try:
+            _profile_case(problem, weights, _case(batch, context, t), row, t)
+        except Exception as exc:  # fail soft: report and go on
+            row.errors.append(_describe(exc))
+        _sync(t)
+        _empty_cache(t)
+        rows.append(row)
+        print_profile_row(row)
+    return rows
+
+
+def _profile_case(
+    problem: Problem, weights: list[Tensors], case: Case, row: ProfileRow, t: Target
+) -> None:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = [problem.make_inputs(case, 1000 + layer, t.device) for layer in range(LAYERS)]
+    layer_set, _ = _layers(problem, list(zip(weights, inputs, strict=True)), case, t)
+    step = _step(fused.forward, layer_set, t)
+    for _ in range(3):
+        step()
+    _sync(t)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t.on_gpu else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(t)
+    wanted = DeviceType.CUDA if t.on_gpu else DeviceType.CPU
+    events = sorted(
+        (e for e in prof.events() if e.device_type == wanted and e.cpu_parent is None),
+        key=lambda e: e.time_range.start,
+    )
+    per_layer = len(events) // LAYERS
+    if per_layer == 0:
+        raise RuntimeError("the profiler recorded no kernels")
+    row.layer_us = (events[-1].time_range.end - events[0].time_range.start) / LAYERS
+    middle = events[per_layer : 2 * per_layer]
+    previous_end = events[per_layer - 1].time_range.end
+    for event in middle:
+        row.kernels.append(
+            {
+                "name": event.name[:60],
+                "us": event.time_range.elapsed_us(),
+                "gap_before_us": event.time_range.start - previous_end,
+            }
+        )
+        previous_end = event.time_range.end
+
+
+def print_profile_row(row: ProfileRow) -> None:
+    if row.errors:
+        print(f"batch {row.batch} context {row.context}: error {'; '.join(row.errors)[:300]}")
+        return
+    busy = sum(float(k["us"]) for k in row.kernels)  # type: ignore[arg-type]
+    gaps = sum(float(k["gap_before_us"]) for k in row.kernels)  # type: ignore[arg-type]
+    print(
+        f"\nbatch {row.batch} context {row.context}: {row.layer_us:.1f} µs per layer "
+        f"(middle layer: kernels {busy:.1f} µs busy, {gaps:.1f} µs of gaps)"
+    )
+    print("| # | kernel | µs | gap before µs |\n|---|---|---|---|")
+    for i, k in enumerate(row.kernels[:40]):  # the CPU smoke run records host ops: many
+        print(f"| {i} | {k['name']} | {float(k['us']):.2f} | {float(k['gap_before_us']):.2f} |")  # type: ignore[arg-type]
 
 
 # Programmatic dependent launch: the same fused layer, launched three ways.
@@ -797,14 +956,14 @@ def _print_layer_row(row: LayerRow) -> None:
 
 
 def print_tables(kernel_rows: list[KernelRow], layer_rows: list[LayerRow]) -> None:
-    print("\n| kernel | language | batch | max abs err | rel err | µs | GB/s |")
-    print("|---" * 7 + "|")
+    print("\n| kernel | language | batch | max abs err | rel err | µs | GB/s | note |")
+    print("|---" * 8 + "|")
     for k in kernel_rows:
         error = f" ERROR: {k.error[:100]}" if k.error else ""
         print(
             f"| {k.kernel} | {k.language} | {k.batch} | {_fmt(k.max_abs_error, '.2g')} "
             f"| {_fmt(k.relative_error, '.2g')} | {_fmt(k.us, '.2f')} "
-            f"| {_fmt(k.gb_per_s, '.0f')} |{error}"
+            f"| {_fmt(k.gb_per_s, '.0f')} | {k.note} |{error}"
         )
     if not layer_rows:
         return
@@ -883,9 +1042,28 @@ def main() -> None:
         )
         print_pdl_table(pdl_rows)
         return
+    if args.profile_fused:
+        print("== the fused layer, kernel by kernel", flush=True)
+        small_batches = [1, 8] if t.on_gpu else [1]
+        profile_rows = profile_fused(problem, [(b, c) for b in small_batches for c in contexts], t)
+        _write(
+            args.out,
+            {
+                "environment": environment,
+                "is_gpu_evidence": t.on_gpu,
+                "layers_per_graph": LAYERS,
+                "profile": [asdict(r) for r in profile_rows],
+            },
+        )
+        return
     if args.sweep_moe:
         print("== MoE tiles", flush=True)
         kernel_rows = sweep_moe(problem, batches, t)
+        args.only_kernels = True
+    elif args.sweep_attention:
+        print("== split-KV attention at small batch", flush=True)
+        small_batches = [1, 8] if t.on_gpu else [1, 2]
+        kernel_rows = sweep_attention(problem, small_batches, contexts, t)
         args.only_kernels = True
     else:
         print("== part 1: kernels", flush=True)
@@ -924,6 +1102,16 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="CPU smoke run at test sizes")
     parser.add_argument(
         "--sweep-moe", action="store_true", help="instead of parts 1 and 2: the MoE's tiles"
+    )
+    parser.add_argument(
+        "--profile-fused",
+        action="store_true",
+        help="instead of parts 1 and 2: the fused layer's kernels timed inside its graph",
+    )
+    parser.add_argument(
+        "--sweep-attention",
+        action="store_true",
+        help="instead of parts 1 and 2: the split-KV attention's splits and tiles, batch 1 and 8",
     )
     parser.add_argument(
         "--sweep-pdl",

@@ -74,7 +74,7 @@ def _latent_prep_kernel(
     turns_ptr,  # (R/2,) fp64: rope frequency / (2 pi)
     q_c_ptr,  # (B, Q) bf16 out
     kv_new_ptr,  # (B, L + R) bf16 out
-    n_splits,
+    N_SPLITS: tl.constexpr,  # sum_splits unrolls over it
     split_stride,
     B,
     Q,
@@ -93,7 +93,7 @@ def _latent_prep_kernel(
     base = rows[:, None] * (Q + L + R)  # (ROWS, 1)
     qs = tl.arange(0, BLOCK_Q)
     q_mask = row_mask & (qs < Q)[None, :]
-    q_c = sum_splits(part_ptr, base + qs[None, :], q_mask, n_splits, split_stride)
+    q_c = sum_splits(part_ptr, base + qs[None, :], q_mask, N_SPLITS, split_stride)
     q_weight = tl.load(q_norm_ptr + qs, mask=qs < Q, other=0.0).to(tl.float32)
     q_c = rms_normalize(round_bf16_f32(q_c), Q, eps, q_weight[None, :])
     tl.store(q_c_ptr + rows[:, None] * Q + qs[None, :], q_c, mask=q_mask)
@@ -101,7 +101,7 @@ def _latent_prep_kernel(
     out_row = kv_new_ptr + rows[:, None] * (L + R)  # (ROWS, 1)
     ls = tl.arange(0, BLOCK_L)
     l_mask = row_mask & (ls < L)[None, :]
-    kv_c = sum_splits(part_ptr, base + Q + ls[None, :], l_mask, n_splits, split_stride)
+    kv_c = sum_splits(part_ptr, base + Q + ls[None, :], l_mask, N_SPLITS, split_stride)
     kv_weight = tl.load(kv_norm_ptr + ls, mask=ls < L, other=0.0).to(tl.float32)
     kv_c = rms_normalize(round_bf16_f32(kv_c), L, eps, kv_weight[None, :])
     tl.store(out_row + ls[None, :], kv_c, mask=l_mask)
@@ -109,8 +109,8 @@ def _latent_prep_kernel(
     pairs = tl.arange(0, BLOCK_HALF_R)
     pair_mask = row_mask & (pairs < R // 2)[None, :]
     even_at = base + Q + L + 2 * pairs[None, :]
-    even = round_bf16_f32(sum_splits(part_ptr, even_at, pair_mask, n_splits, split_stride))
-    odd = round_bf16_f32(sum_splits(part_ptr, even_at + 1, pair_mask, n_splits, split_stride))
+    even = round_bf16_f32(sum_splits(part_ptr, even_at, pair_mask, N_SPLITS, split_stride))
+    odd = round_bf16_f32(sum_splits(part_ptr, even_at + 1, pair_mask, N_SPLITS, split_stride))
     positions = tl.load(positions_ptr + rows, mask=rows < B, other=0).to(tl.float64)
     freqs = tl.load(turns_ptr + pairs, mask=pairs < R // 2, other=0.0)
     even, odd = rotate_pairs(even, odd, positions[:, None] * freqs[None, :])
@@ -167,7 +167,7 @@ def _q_absorb_kernel(
     positions_ptr,  # (B,) int64
     turns_ptr,  # (R/2,) fp64
     q_lat_ptr,  # (B, H, L + R) bf16 out
-    n_splits,
+    N_SPLITS: tl.constexpr,  # sum_splits unrolls over it
     split_stride,
     B,
     H,
@@ -190,7 +190,7 @@ def _q_absorb_kernel(
     q_row = rows[:, None] * (H * (NOPE + R)) + head * (NOPE + R)  # (BLOCK_M, 1)
     ns = tl.arange(0, BLOCK_NOPE)
     nope_mask = row_mask[:, None] & (ns < NOPE)[None, :]
-    q_nope = sum_splits(part_ptr, q_row + ns[None, :], nope_mask, n_splits, split_stride)
+    q_nope = sum_splits(part_ptr, q_row + ns[None, :], nope_mask, N_SPLITS, split_stride)
     q_nope = round_bf16(q_nope)  # (BLOCK_M, BLOCK_NOPE): q_b_proj's bf16 output
     ls = col_block * BLOCK_L + tl.arange(0, BLOCK_L)
     l_mask = ls < L
@@ -206,8 +206,8 @@ def _q_absorb_kernel(
         pairs = tl.arange(0, BLOCK_HALF_R)
         pair_mask = row_mask[:, None] & (pairs < R // 2)[None, :]
         even_at = q_row + NOPE + 2 * pairs[None, :]
-        even = round_bf16_f32(sum_splits(part_ptr, even_at, pair_mask, n_splits, split_stride))
-        odd = round_bf16_f32(sum_splits(part_ptr, even_at + 1, pair_mask, n_splits, split_stride))
+        even = round_bf16_f32(sum_splits(part_ptr, even_at, pair_mask, N_SPLITS, split_stride))
+        odd = round_bf16_f32(sum_splits(part_ptr, even_at + 1, pair_mask, N_SPLITS, split_stride))
         positions = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.float64)
         freqs = tl.load(turns_ptr + pairs, mask=pairs < R // 2, other=0.0)
         even, odd = rotate_pairs(even, odd, positions[:, None] * freqs[None, :])

@@ -63,7 +63,7 @@ def _route_kernel(
     bias_ptr,  # (E_total,) fp32: e_score_correction_bias
     ids_ptr,  # (B, TOP_K) int32 out: global expert ids
     weights_ptr,  # (B, TOP_K) fp32 out
-    n_splits,
+    N_SPLITS: tl.constexpr,  # sum_splits unrolls over it
     split_stride,
     B,
     E_TOTAL,
@@ -82,7 +82,7 @@ def _route_kernel(
     e_mask = experts < E_TOTAL
     logit_at = rows[:, None] * E_TOTAL + experts[None, :]  # (ROWS, BLOCK_E)
     logits = sum_splits(
-        part_ptr, logit_at, row_mask[:, None] & e_mask[None, :], n_splits, split_stride
+        part_ptr, logit_at, row_mask[:, None] & e_mask[None, :], N_SPLITS, split_stride
     )
     scores = 1.0 / (1.0 + tl.exp(-logits))
     bias = tl.load(bias_ptr + experts, mask=e_mask, other=0.0)

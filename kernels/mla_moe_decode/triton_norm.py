@@ -35,7 +35,7 @@ def _add_rmsnorm_kernel(
     weight_ptr,  # (D,) bf16
     residual_out_ptr,  # (B, D) bf16
     out_ptr,  # (B, D) bf16
-    n_splits,
+    N_SPLITS: tl.constexpr,  # sum_splits unrolls over it
     split_stride,
     B,
     D,
@@ -49,7 +49,7 @@ def _add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < B)[:, None] & (cols < D)[None, :]  # (ROWS, BLOCK_D)
     offsets = rows[:, None] * D + cols[None, :]
-    projected = sum_splits(part_ptr, offsets, mask, n_splits, split_stride)
+    projected = sum_splits(part_ptr, offsets, mask, N_SPLITS, split_stride)
     residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     summed = round_bf16_f32(projected) + residual
     tl.store(residual_out_ptr + offsets, round_bf16(summed), mask=mask)

@@ -58,6 +58,7 @@ from harness.evaluation.profiling import profile_step
 from harness.evaluation.ranks import run_case_on_ranks, runs_on_ranks
 from harness.evaluation.stats import median_ci95, speedup_ci95
 from harness.evaluation.timing import (
+    LayerSet,
     RankSync,
     StopRule,
     Timing,
@@ -404,6 +405,7 @@ def measure_case(
     candidate_steps = step_runners(path.candidate, layer_set, device, stop.captures)
     seed = derive_seed(secret_seed, case.id, "bootstrap")
     refresh_inputs(path, case, layer_set, derive_seed(seed, "before timing"), device)
+    bytes_moved = _bytes_moved(path, case, layer_set)  # of the inputs about to be timed
     timing = sample_interleaved(stock_steps, candidate_steps, layer_set, device, stop, seed, sync)
     refresh_inputs(path, case, layer_set, derive_seed(seed, "after timing"), device)
     stale = replay_mismatches(
@@ -420,7 +422,6 @@ def measure_case(
     candidate_profile = profile_step(candidate_steps[0], timing.layers, device)
     samples = sample_statistics(timing, seed)
     cand_median = samples["candidate_us_median"]
-    bytes_moved = _bytes_moved(path, case)
     bandwidth = hbm_bytes_per_s(device.index or 0) if device.type == "cuda" else None
     stock_wall = candidate_wall = None
     flags: list[str] = []
@@ -495,7 +496,15 @@ def reproduce_command(
     return shlex.join(parts + (["--quick"] if quick else []))
 
 
-def _bytes_moved(path: LoadedPath, case: Case) -> int | None:
+def _bytes_moved(path: LoadedPath, case: Case, layer_set: LayerSet) -> int | None:
+    """The bytes one timed layer must move, for the HBM fraction: the problem's
+    `floor_bytes(case, weights, inputs)` averaged over the timed layers where it has that hook
+    (exact for these inputs: e.g. only the experts their routing activates, which at batch 1
+    varies from layer to layer by tens of MB), else its `bytes_moved(case)` estimate."""
+    floor = getattr(path.problem, "floor_bytes", None)
+    if floor is not None:
+        per_layer = [floor(case, weights, inputs) for weights, inputs, _ in layer_set.args]
+        return round(sum(per_layer) / len(per_layer))
     counter = getattr(path.problem, "bytes_moved", None)
     return int(counter(case)) if counter else None
 

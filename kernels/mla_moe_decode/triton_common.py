@@ -65,11 +65,20 @@ def mma(a, b, acc, DOT_F32: tl.constexpr):
 def sum_splits(ptr, offsets, mask, N_SPLITS: tl.constexpr, split_stride):
     """sum over s < N_SPLITS of ptr[s * split_stride + offsets] in fp32, in split order (the
     split-K GEMVs write partials instead of using atomics, so results do not vary run to run).
-    Unrolled, so the loads are independent and all in flight together: in a loop each load
-    waited for the previous add, one memory round trip per split (8 to 28 splits here)."""
+    The loads are independent so that several are in flight at once: in a plain loop each load
+    waited for the previous add, one memory round trip per split. Up to 8 splits are unrolled;
+    more go in masked groups of 4 (unrolling the router's 28 cost registers and time on the
+    H200: routing 6.0 -> 8.7 µs at batch 1)."""
     total = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    for split in tl.static_range(1, N_SPLITS):
-        total += tl.load(ptr + split * split_stride + offsets, mask=mask, other=0.0)
+    if N_SPLITS <= 8:
+        for split in tl.static_range(1, N_SPLITS):
+            total += tl.load(ptr + split * split_stride + offsets, mask=mask, other=0.0)
+    else:
+        for first in range(1, N_SPLITS, 4):
+            for step in tl.static_range(4):
+                split = first + step
+                more = tl.where(split < N_SPLITS, mask, False)
+                total += tl.load(ptr + split * split_stride + offsets, mask=more, other=0.0)
     return total
 
 

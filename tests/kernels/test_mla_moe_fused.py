@@ -16,6 +16,8 @@ from types import MappingProxyType
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from harness.evaluation.cases import Case
 from harness.evaluation.correctness import OutputError, _upcast, check_case, output_error
@@ -161,6 +163,29 @@ def _top_k_margins(weights: Tensors, inputs: Tensors) -> torch.Tensor:
     choice = torch.sigmoid(hidden @ weights["gate"].T) + weights["e_score_correction_bias"]
     top = choice.topk(config.top_k + 1, dim=-1).values
     return top[:, -2] - top[:, -1]
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, n, N_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    total = triton_common.sum_splits(part_ptr, cols, mask, N_SPLITS, n)
+    tl.store(out_ptr + cols, total, mask=mask)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8, 9, 11, 28])
+def test_sum_splits_adds_in_split_order_unrolled_or_grouped(splits: int) -> None:
+    """Bit for bit the sequential fp32 sum, whether the splits are unrolled (<= 8) or loaded
+    in masked groups of 4 (the tail group reads past the last split only under its mask)."""
+    n = 40
+    parts = torch.randn(splits, n, generator=torch.Generator().manual_seed(splits))
+    parts[:, 0] = torch.tensor([1e8] + [1.0] * (splits - 1))  # order-sensitive in fp32
+    out = torch.empty(n)
+    _sum_splits_kernel[(1,)](parts, out, n, N_SPLITS=splits, BLOCK=64)
+    expected = parts[0].clone()
+    for split in range(1, splits):
+        expected += parts[split]
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize(

@@ -142,6 +142,10 @@ class DecodeCheckEvidence(Model):
     mean_kl: float | None = None  # KL(stock || candidate), nats, over steps and prompts
     max_kl: float | None = None
     kl_per_step: list[float] = []  # mean over prompts
+    # the bar for mean_kl above max_mean_kl: mean KL(float64 reference || path), nats
+    kl_budget: float = 2.0
+    stock_kl_from_reference: float | None = None
+    candidate_kl_from_reference: float | None = None
     stock_tokens: list[list[int]] = []  # per prompt, per step
     candidate_tokens: list[list[int]] = []
 

@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from harness.evaluation.evidence import CaseEvidence, ClaimEvidence, Evidence
+from harness.evaluation.evidence import (
+    CaseEvidence,
+    ClaimEvidence,
+    DecodeCheckEvidence,
+    Evidence,
+)
 
 # A speedup above this is possible (a fused kernel replacing a dozen launches) but rare enough
 # that a maintainer should look at how it was measured before believing it.
@@ -250,5 +255,15 @@ def decode_check_line(evidence: Evidence) -> str | None:
         f"{check.status} ({shape}; {check.case}): greedy tokens agree at "
         f"{check.token_match:.1%} of steps (at least {check.min_token_match:.1%}), {divergence}; "
         f"mean KL(stock || candidate) {check.mean_kl:.3g} nats (at most {check.max_mean_kl:g}), "
-        f"max {check.max_kl:.3g}"
+        f"max {check.max_kl:.3g}" + _distance_from_reference(check)
+    )
+
+
+def _distance_from_reference(check: DecodeCheckEvidence) -> str:
+    stock, candidate = check.stock_kl_from_reference, check.candidate_kl_from_reference
+    if stock is None or candidate is None:  # evidence from before the reference was added
+        return ""
+    return (
+        f"; from the float64 reference model: stock {stock:.3g}, candidate {candidate:.3g} nats "
+        f"(at most {check.kl_budget:g}x the stock's when the KL is above its bound)"
     )

@@ -75,6 +75,23 @@ def test_a_drift_is_caught_where_decoding_diverges() -> None:
     assert any("first divergence at step" in r for r in result.reasons), result.reasons
 
 
+def test_past_the_kl_floor_the_stock_paths_own_distance_from_float64_sets_the_bar() -> None:
+    """With the absolute bound out of reach (1e-12 nats), a right candidate with other
+    roundings than the stock path (float64, rounded once) passes by the budget, and one with a
+    small constant error does not: it is far further from the float64 model than the stock."""
+    settings = ModelCheck(layers=2, steps=8, prompts=4, vocab=512, max_mean_kl=1e-12)
+    passed = decode_check_of("exact_then_rounded_forward", settings)
+    assert passed.status == "passed", passed.reasons
+    assert passed.mean_kl is not None and passed.mean_kl > settings.max_mean_kl
+    stock_off, candidate_off = passed.stock_kl_from_reference, passed.candidate_kl_from_reference
+    assert stock_off is not None and candidate_off is not None and stock_off > 0
+    assert candidate_off <= settings.kl_budget * stock_off
+    off = decode_check_of("slightly_off_forward", settings)
+    assert off.status == "failed"
+    assert off.candidate_kl_from_reference > settings.kl_budget * off.stock_kl_from_reference
+    assert any("from the float64 reference" in r for r in off.reasons), off.reasons
+
+
 def test_a_small_constant_error_fails_with_its_numbers() -> None:
     result = decode_check_of("slightly_off_forward")
     assert result.status == "failed"

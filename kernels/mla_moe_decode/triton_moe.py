@@ -12,6 +12,12 @@
               program e takes the e-th *chosen* local expert instead, so the grid has
               B x top_k + 1 rows of programs, not E + 1: at batch 1, 9 x 128 programs instead
               of 49 x 128, most of which would only start, find no token and exit.
+              Split K (gate_up_splits > 1): each (expert, block) is also split over the hidden
+              dimension, so that several programs stream one block's weight rows: at batch 1
+              one active expert is otherwise only 128 programs of 458 KB each, too few to keep
+              HBM busy. Each split stores its fp32 partial tile and counts itself in on the
+              tile's counter; the split that arrives last adds the partials in split order
+              (deterministic), applies SiLU-and-mul and resets the counter for the next launch.
     down      program (hidden block n) owns out[:, block n]: it walks the local experts in
               order, and for each one some token chose adds weight * (act @ down_e[block n].T)
               for those tokens; then the shared expert with weight 1. One program per output
@@ -55,6 +61,7 @@ class MoeBlocks:
     down_k: int  # intermediate columns per down pipeline step
     num_warps: int
     num_stages: int
+    gate_up_splits: int = 1  # programs that share one (expert, feature block) over the hidden dim
 
 
 @triton.jit
@@ -174,18 +181,57 @@ def _nth_chosen_expert(table, n, E, expert_offset, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
+def _last_split_sum(
+    acc,
+    partial_ptr,  # (tiles, K_SPLITS, BLOCK_M, BLOCK_N) fp32 workspace
+    counter_ptr,  # (tiles,) int32, zero between launches
+    tile,
+    rows,
+    row_mask,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_SPLITS: tl.constexpr,
+):
+    """Split-K without atomics on the data: store this split's partial tile, count in on the
+    tile's counter; (the sum of every split's partial in split order, whether this split
+    arrived last). The last one also resets the counter, so the next launch (a graph replay)
+    finds it at zero."""
+    cols = tl.arange(0, BLOCK_N)
+    tile_at = partial_ptr + tile.to(tl.int64) * K_SPLITS * BLOCK_M * BLOCK_N
+    at = rows[:, None] * BLOCK_N + cols[None, :]
+    mask = row_mask[:, None]
+    tl.store(tile_at + tl.program_id(2) * BLOCK_M * BLOCK_N + at, acc, mask=mask)
+    tl.debug_barrier()  # every thread's store issued before the release below
+    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+    last = arrived == K_SPLITS - 1
+    total = acc
+    if last:
+        # .cg: from L2, where the other splits' stores are; never a stale L1 line
+        total = tl.load(tile_at + at, mask=mask, other=0.0, cache_modifier=".cg")
+        for split in tl.static_range(1, K_SPLITS):
+            total += tl.load(
+                tile_at + split * BLOCK_M * BLOCK_N + at, mask=mask, other=0.0, cache_modifier=".cg"
+            )
+        tl.atomic_xchg(counter_ptr + tile, 0)
+    return total, last
+
+
+@triton.jit
 def _gate_up_kernel(
     h_ptr,  # (B, D) bf16: post_attention_layernorm output
     ids_ptr,  # (B, TOP_K) int32
     w13_ptr,  # (E, 2 INTER, D) bf16: [gate; up] per local expert
     shared_ptr,  # (2 I_S, D) bf16: the shared expert's [gate; up]
     act_ptr,  # (B, TOP_K + 1, INTER) bf16 out: slot TOP_K is the shared expert's
+    partial_ptr,  # K_SPLITS > 1: (tiles, K_SPLITS, BLOCK_M, 2 BLOCK_I) fp32 workspace
+    counter_ptr,  # K_SPLITS > 1: (tiles,) int32, zero between launches
     B,
     D,
     INTER,
     I_SHARED,
     E,
     expert_offset,
+    k_per_split,
     TOP_K: tl.constexpr,
     BLOCK_K_SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -194,6 +240,7 @@ def _gate_up_kernel(
     DOT_F32: tl.constexpr,
     COMPACT: tl.constexpr,  # program row e: the e-th chosen local expert (B x TOP_K < E)
     BLOCK_E: tl.constexpr,  # >= E, for COMPACT
+    K_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -221,7 +268,8 @@ def _gate_up_kernel(
         w_rows = w_base + ((pair % 2) * inter + feature)[:, None] * D  # (2 BLOCK_I, 1)
         f_mask = feature < inter
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_I), dtype=tl.float32)
-        for first in range(0, D, BLOCK_K):
+        k_start = tl.program_id(2) * k_per_split
+        for first in range(k_start, tl.minimum(k_start + k_per_split, D), BLOCK_K):
             ks = first + tl.arange(0, BLOCK_K)
             k_mask = ks < D
             h = tl.load(
@@ -231,13 +279,42 @@ def _gate_up_kernel(
             )  # (BLOCK_M, BLOCK_K): rows of tokens that did not choose this expert stay 0
             w = tl.load(w_rows + ks[None, :], mask=f_mask[:, None] & k_mask[None, :], other=0.0)
             acc = mma(h, tl.trans(w), acc, DOT_F32)  # (BLOCK_M, 2 BLOCK_I)
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_I, 2)))
-        gate = round_bf16_f32(gate)  # the grouped GEMM's bf16 output, as in the stock path
-        up = round_bf16_f32(up)
-        act = round_bf16(gate / (1.0 + tl.exp(-gate)) * up)
-        cols = col_block * BLOCK_I + tl.arange(0, BLOCK_I)
-        out_at = act_ptr + (rows * (TOP_K + 1) + slot)[:, None] * INTER + cols[None, :]
-        tl.store(out_at, act, mask=chosen[:, None] & (cols < inter)[None, :])
+        if K_SPLITS > 1:
+            tile = tl.program_id(0) * tl.num_programs(1) + col_block
+            acc, last = _last_split_sum(
+                acc, partial_ptr, counter_ptr, tile, rows, chosen, BLOCK_M, 2 * BLOCK_I, K_SPLITS
+            )
+        else:
+            last = True
+        if last:
+            _store_act(
+                acc, act_ptr, rows, slot, chosen, col_block, inter, INTER, TOP_K, BLOCK_M, BLOCK_I
+            )
+
+
+@triton.jit
+def _store_act(
+    acc,
+    act_ptr,
+    rows,
+    slot,
+    chosen,
+    col_block,
+    inter,
+    INTER,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """The gate_up epilogue: (BLOCK_M, 2 BLOCK_I) fp32 sums of interleaved [gate f, up f]
+    rows -> SiLU(gate) * up, rounded as the stock path rounds, into act[row, slot]."""
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_I, 2)))
+    gate = round_bf16_f32(gate)  # the grouped GEMM's bf16 output, as in the stock path
+    up = round_bf16_f32(up)
+    act = round_bf16(gate / (1.0 + tl.exp(-gate)) * up)
+    cols = col_block * BLOCK_I + tl.arange(0, BLOCK_I)
+    out_at = act_ptr + (rows * (TOP_K + 1) + slot)[:, None] * INTER + cols[None, :]
+    tl.store(out_at, act, mask=chosen[:, None] & (cols < inter)[None, :])
 
 
 @triton.jit
@@ -352,6 +429,23 @@ def _down_kernel(
     tl.store(out_at, round_bf16(out), mask=row_mask[:, None] & col_mask[None, :])
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """`count` int32 counters at zero, for the split gate_up: kept per device and reused,
+    since every launch leaves them at zero again. So one fused_moe at a time per device (the
+    decode stream), and the first call must come before any CUDA-graph capture (warm-up), for
+    a capture could not zero them outside its own replays."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split gate_up: call fused_moe once before capturing a graph")
+        counters = torch.zeros(count, device=device, dtype=torch.int32)
+        _counters[device] = counters
+    return counters[:count]
+
+
 def fused_moe(
     h: torch.Tensor,
     ids: torch.Tensor,
@@ -383,23 +477,40 @@ def fused_moe(
     )
     compact = batch * top_k < experts  # fewer experts can be chosen than there are
     expert_rows = batch * top_k if compact else experts
-    gate_up_grid = (expert_rows + 1, triton.cdiv(max(inter, shared_inter), blocks.gate_up_cols))
+    k_per_split = triton.cdiv(triton.cdiv(hidden, blocks.gate_up_splits), blocks.gate_up_k)
+    k_per_split *= blocks.gate_up_k
+    splits = triton.cdiv(hidden, k_per_split)
+    gate_up_grid = (
+        expert_rows + 1,
+        triton.cdiv(max(inter, shared_inter), blocks.gate_up_cols),
+        splits,
+    )
+    tiles = gate_up_grid[0] * gate_up_grid[1]
+    partial, counters = act, act  # unused unless split
+    if splits > 1:
+        tile_size = blocks.block_m * 2 * blocks.gate_up_cols
+        partial = torch.empty(tiles, splits, tile_size, device=h.device, dtype=torch.float32)
+        counters = split_counters(h.device, tiles)
     _gate_up_kernel[gate_up_grid](
         h,
         ids,
         w13,
         shared_gate_up,
         act,
+        partial,
+        counters,
         batch,
         hidden,
         inter,
         shared_inter,
         experts,
         expert_offset,
+        k_per_split,
         BLOCK_I=blocks.gate_up_cols,
         BLOCK_K=blocks.gate_up_k,
         COMPACT=compact,
         BLOCK_E=triton.next_power_of_2(experts),
+        K_SPLITS=splits,
         **common,
         **pdl_options(h.device),
     )

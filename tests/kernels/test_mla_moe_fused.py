@@ -24,7 +24,7 @@ from harness.evaluation.correctness import OutputError, _upcast, check_case, out
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.outcomes import Passed, reasons_of
 from harness.evaluation.plan import derive_seed
-from kernels.mla_moe_decode import fused, stock, triton_common
+from kernels.mla_moe_decode import fused, stock, triton_common, triton_moe
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem
 from kernels.mla_moe_decode.triton_attention import latent_prep, mla_attention, q_absorb, w_uv
@@ -475,12 +475,17 @@ def test_routing_picks_the_biased_top_k_and_weighs_by_the_unbiased_scores() -> N
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("batch", [1, 3, 64])
-def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(batch: int) -> None:
+def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
+    batch: int, splits: int
+) -> None:
     """Routed + shared experts against float64 per-token math; the weights of every expert no
     token chose are NaN, so reading any of them would show. Batch 1 (1 x 6 slots < 8 local
     experts) runs the compact gate_up grid: its program rows are the 1st, 2nd, ... chosen
-    local expert, and the rows past the two chosen ones must do nothing."""
+    local expert, and the rows past the two chosen ones must do nothing. With 3 splits the
+    gate_up's hidden dimension (320) is split over 3 programs per tile, summed by the last;
+    every tile's counter is back at zero afterwards, and a second call gives the same bits."""
     c, gen = LAYER, torch.Generator().manual_seed(batch)
     h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
     w = _expert_weights(c, gen)
@@ -502,12 +507,17 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(batch: int)
     w["experts_w13"][unchosen] = float("nan")
     w["experts_w2"][unchosen] = float("nan")
     out = torch.empty_like(h)
-    blocks = MoeBlocks(16 if batch <= 16 else 64, 64, 128, 128, 64, 4, 1)
+    blocks = MoeBlocks(16 if batch <= 16 else 64, 64, 128, 128, 64, 4, 1, gate_up_splits=splits)
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
     fused_moe(h, ids.int(), routing, *experts, out, c.expert_offset, blocks)
     expected = torch.stack([_moe_reference(c, w, h[b], local[b], routing[b]) for b in range(batch)])
     assert out.isfinite().all()
     assert _relative(out, expected) < 1e-2
+    if splits > 1:
+        assert not triton_moe._counters[CPU].any()  # every tile left its counter at zero
+        again = torch.empty_like(h)
+        fused_moe(h, ids.int(), routing, *experts, again, c.expert_offset, blocks)
+        assert torch.equal(again, out)
 
 
 def _expert_weights(c: LayerConfig, gen: torch.Generator) -> Tensors:

@@ -545,14 +545,17 @@ def _soft_kernel(
 
 # --sweep-moe: the MoE kernels' tiles, timed as part 1 times them.
 
-# (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages[, gate_up_splits]);
-# block_m follows the batch
+# (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages[, gate_up_splits[,
+# down_splits]]); block_m follows the batch
 MOE_TILES_SMALL = [
     (16, 128, 32, 128, 4, 6),  # the plan for batch <= 16
     (16, 128, 32, 128, 4, 6, 2),  # the gate_up's hidden dim split over 2, 4, 8 programs
     (16, 128, 32, 128, 4, 6, 4),
     (16, 128, 32, 128, 4, 4, 8),
     (8, 128, 32, 128, 4, 6, 4),
+    (16, 128, 32, 128, 4, 6, 4, 2),  # and the down's intermediate dims over 2, 4
+    (16, 128, 32, 128, 4, 6, 4, 4),
+    (16, 128, 16, 128, 4, 6, 4, 2),
     (8, 128, 32, 128, 4, 6),  # with the compact grid (batch <= 5) small tiles cost no idle programs
     (8, 256, 32, 128, 4, 4),
     (8, 128, 16, 128, 4, 6),

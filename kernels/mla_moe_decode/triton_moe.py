@@ -21,7 +21,9 @@
     down      program (hidden block n) owns out[:, block n]: it walks the local experts in
               order, and for each one some token chose adds weight * (act @ down_e[block n].T)
               for those tokens; then the shared expert with weight 1. One program per output
-              tile and a fixed order: deterministic, no atomics, no partial buffers.
+              tile and a fixed order: deterministic, no atomics, no partial buffers. Split K
+              (down_splits > 1): each split takes its part of every expert's intermediate
+              dimension, and the last split of a tile sums them as gate_up's splits do.
 
 Tokens are never gathered or sorted: a program loads all B (<= 64) rows with a mask that keeps
 only the tokens that chose its expert; masked rows move no memory, they cost MMA issue slots
@@ -62,6 +64,7 @@ class MoeBlocks:
     num_warps: int
     num_stages: int
     gate_up_splits: int = 1  # programs that share one (expert, feature block) over the hidden dim
+    down_splits: int = 1  # programs that share one output block over the intermediate dims
 
 
 @triton.jit
@@ -328,18 +331,22 @@ def _down_tile(
     INTER,
     cols,
     col_mask,
+    k_start,
+    k_per_split,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    """(BLOCK_M, BLOCK_N) fp32: act[row, slot] @ w[cols].T for chosen rows, 0 for the rest."""
+    """(BLOCK_M, BLOCK_N) fp32: act[row, slot, K range] @ w[cols, K range].T for chosen rows,
+    0 for the rest; the K range is [k_start, k_start + k_per_split) within inter."""
     act_rows = act_ptr + (rows * (TOP_K + 1) + slot)[:, None] * INTER  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for first in range(0, inter, BLOCK_K):
+    k_end = tl.minimum(k_start + k_per_split, inter)
+    for first in range(k_start, k_end, BLOCK_K):
         ks = first + tl.arange(0, BLOCK_K)
-        k_mask = ks < inter
+        k_mask = ks < k_end
         act = tl.load(act_rows + ks[None, :], mask=chosen[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(
             w_ptr + cols[:, None] * inter + ks[None, :],
@@ -358,22 +365,27 @@ def _down_kernel(
     w2_ptr,  # (E, D, INTER) bf16
     shared_ptr,  # (D, I_S) bf16
     out_ptr,  # (B, D) bf16 out
+    partial_ptr,  # K_SPLITS > 1: (column blocks, K_SPLITS, BLOCK_M, BLOCK_N) fp32 workspace
+    counter_ptr,  # K_SPLITS > 1: (column blocks,) int32, zero between launches
     B,
     D,
     INTER,
     I_SHARED,
     E,
     expert_offset,
+    k_per_split,
     TOP_K: tl.constexpr,
     BLOCK_K_SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    K_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     col_block = tl.program_id(0)
+    k_start = tl.program_id(2) * k_per_split  # this split's part of every intermediate dim
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -400,6 +412,8 @@ def _down_kernel(
                 INTER,
                 cols,
                 col_mask,
+                k_start,
+                k_per_split,
                 TOP_K,
                 BLOCK_M,
                 BLOCK_N,
@@ -419,14 +433,29 @@ def _down_kernel(
         INTER,
         cols,
         col_mask,
+        k_start,
+        k_per_split,
         TOP_K,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
         DOT_F32,
     )
-    out_at = out_ptr + rows[:, None] * D + cols[None, :]
-    tl.store(out_at, round_bf16(out), mask=row_mask[:, None] & col_mask[None, :])
+    if K_SPLITS > 1:
+        out, last = _last_split_sum(
+            out, partial_ptr, counter_ptr, col_block, rows, row_mask, BLOCK_M, BLOCK_N, K_SPLITS
+        )
+    else:
+        last = True
+    if last:
+        out_at = out_ptr + rows[:, None] * D + cols[None, :]
+        tl.store(out_at, round_bf16(out), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _k_splits(k: int, wanted: int, block_k: int) -> tuple[int, int]:
+    """(K per split, a multiple of block_k; the number of splits that gives)."""
+    k_per_split = triton.cdiv(triton.cdiv(k, wanted), block_k) * block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -477,9 +506,7 @@ def fused_moe(
     )
     compact = batch * top_k < experts  # fewer experts can be chosen than there are
     expert_rows = batch * top_k if compact else experts
-    k_per_split = triton.cdiv(triton.cdiv(hidden, blocks.gate_up_splits), blocks.gate_up_k)
-    k_per_split *= blocks.gate_up_k
-    splits = triton.cdiv(hidden, k_per_split)
+    k_per_split, splits = _k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
     gate_up_grid = (
         expert_rows + 1,
         triton.cdiv(max(inter, shared_inter), blocks.gate_up_cols),
@@ -514,21 +541,34 @@ def fused_moe(
         **common,
         **pdl_options(h.device),
     )
-    _down_kernel[(triton.cdiv(hidden, blocks.down_cols),)](
+    down_k_per_split, down_splits = _k_splits(inter, blocks.down_splits, blocks.down_k)
+    column_blocks = triton.cdiv(hidden, blocks.down_cols)
+    partial, counters = out, out  # unused unless split
+    if down_splits > 1:
+        tile_size = blocks.block_m * blocks.down_cols
+        partial = torch.empty(
+            column_blocks, down_splits, tile_size, device=h.device, dtype=torch.float32
+        )
+        counters = split_counters(h.device, column_blocks)
+    _down_kernel[(column_blocks, 1, down_splits)](
         act,
         ids,
         routing_weights,
         w2,
         shared_down,
         out,
+        partial,
+        counters,
         batch,
         hidden,
         inter,
         shared_inter,
         experts,
         expert_offset,
+        down_k_per_split,
         BLOCK_N=blocks.down_cols,
         BLOCK_K=blocks.down_k,
+        K_SPLITS=down_splits,
         **common,
         **pdl_options(act.device),
     )

@@ -483,9 +483,10 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     """Routed + shared experts against float64 per-token math; the weights of every expert no
     token chose are NaN, so reading any of them would show. Batch 1 (1 x 6 slots < 8 local
     experts) runs the compact gate_up grid: its program rows are the 1st, 2nd, ... chosen
-    local expert, and the rows past the two chosen ones must do nothing. With 3 splits the
-    gate_up's hidden dimension (320) is split over 3 programs per tile, summed by the last;
-    every tile's counter is back at zero afterwards, and a second call gives the same bits."""
+    local expert, and the rows past the two chosen ones must do nothing. Split 3 ways: the
+    gate_up's hidden dimension (320) over 3 programs per tile and the down's intermediate
+    dimensions (96 and 32, K steps of 64) over 2, each summed by the tile's last split; every
+    tile's counter is back at zero afterwards, and a second call gives the same bits."""
     c, gen = LAYER, torch.Generator().manual_seed(batch)
     h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
     w = _expert_weights(c, gen)
@@ -507,7 +508,9 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     w["experts_w13"][unchosen] = float("nan")
     w["experts_w2"][unchosen] = float("nan")
     out = torch.empty_like(h)
-    blocks = MoeBlocks(16 if batch <= 16 else 64, 64, 128, 128, 64, 4, 1, gate_up_splits=splits)
+    blocks = MoeBlocks(
+        16 if batch <= 16 else 64, 64, 128, 128, 64, 4, 1, gate_up_splits=splits, down_splits=splits
+    )
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
     fused_moe(h, ids.int(), routing, *experts, out, c.expert_offset, blocks)
     expected = torch.stack([_moe_reference(c, w, h[b], local[b], routing[b]) for b in range(batch)])

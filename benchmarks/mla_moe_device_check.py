@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 if "--small" in sys.argv:  # before Triton is imported: the CPU runs its kernels interpreted
     os.environ["TRITON_INTERPRET"] = "1"
@@ -655,23 +656,37 @@ def sweep_attention(
 def part_layer(
     problem: Problem, cases: list[tuple[int, int]], read_bw: float, t: Target
 ) -> list[LayerRow]:
+    measure = partial(_measure_layer, read_bw=read_bw)
+    return _each_case(problem, cases, t, LayerRow, measure, _print_layer_row)
+
+
+def _each_case(
+    problem: Problem,
+    cases: list[tuple[int, int]],
+    t: Target,
+    new_row: Callable[[int, int], Any],
+    measure: Callable[..., None],
+    show: Callable[[Any], None],
+) -> list[Any]:
+    """One row per (batch, context) over the same 3 layers' weights: `measure(problem, weights,
+    case, row, t)` fills it; an exception is recorded in row.errors and the run goes on."""
     weights = [problem.make_weights(_case(1, 1024, t), seed, t.device) for seed in range(LAYERS)]
     rows = []
     for batch, context in cases:
-        row = LayerRow(batch, context)
+        row = new_row(batch, context)
         try:
-            _measure_layer(problem, weights, _case(batch, context, t), read_bw, row, t)
+            measure(problem, weights, _case(batch, context, t), row=row, t=t)
         except Exception as exc:  # fail soft: report and go on
             row.errors.append(_describe(exc))
         _sync(t)
         _empty_cache(t)
         rows.append(row)
-        _print_layer_row(row)
+        show(row)
     return rows
 
 
 def _measure_layer(
-    problem: Problem, weights: list[Tensors], case: Case, read_bw: float, row: LayerRow, t: Target
+    problem: Problem, weights: list[Tensors], case: Case, row: LayerRow, t: Target, read_bw: float
 ) -> None:
     inputs = [problem.make_inputs(case, 1000 + layer, t.device) for layer in range(LAYERS)]
     pairs = list(zip(weights, inputs, strict=True))
@@ -762,19 +777,7 @@ class ProfileRow:
 def profile_fused(problem: Problem, cases: list[tuple[int, int]], t: Target) -> list[ProfileRow]:
     """CUPTI kernel records of one replay of the 3-layer fused graph: per kernel of the middle
     layer its duration and the idle gap before it (launch latency between dependent kernels)."""
-    weights = [problem.make_weights(_case(1, 1024, t), seed, t.device) for seed in range(LAYERS)]
-    rows = []
-    for batch, context in cases:
-        row = ProfileRow(batch, context)
-        try:
-            _profile_case(problem, weights, _case(batch, context, t), row, t)
-        except Exception as exc:  # fail soft: report and go on
-            row.errors.append(_describe(exc))
-        _sync(t)
-        _empty_cache(t)
-        rows.append(row)
-        print_profile_row(row)
-    return rows
+    return _each_case(problem, cases, t, ProfileRow, _profile_case, print_profile_row)
 
 
 def _profile_case(
@@ -844,21 +847,9 @@ class PdlRow:
 
 
 def sweep_pdl(problem: Problem, cases: list[tuple[int, int]], t: Target) -> list[PdlRow]:
-    weights = [problem.make_weights(_case(1, 1024, t), seed, t.device) for seed in range(LAYERS)]
-    rows = []
-    for batch, context in cases:
-        row = PdlRow(batch, context)
-        try:
-            _compare_pdl_modes(problem, weights, _case(batch, context, t), row, t)
-        except Exception as exc:  # fail soft: report and go on
-            row.errors.append(_describe(exc))
-        finally:
-            triton_common.dependent_launch = DEPENDENT_LAUNCH_DEFAULT
-        _sync(t)
-        _empty_cache(t)
-        rows.append(row)
-        print(asdict(row), flush=True)
-    return rows
+    return _each_case(
+        problem, cases, t, PdlRow, _compare_pdl_modes, lambda row: print(asdict(row), flush=True)
+    )
 
 
 def _compare_pdl_modes(
@@ -867,11 +858,14 @@ def _compare_pdl_modes(
     inputs = [problem.make_inputs(case, 1000 + layer, t.device) for layer in range(LAYERS)]
     pairs = list(zip(weights, inputs, strict=True))
     steps, outputs = {}, {}
-    for mode in triton_common.DEPENDENT_LAUNCH_MODES:
-        triton_common.dependent_launch = mode  # read at capture: the graph keeps its launches
-        layer_set, outputs[mode] = _layers(problem, pairs, case, t)
-        steps[mode] = _step(fused.forward, layer_set, t)
-        steps[mode]()
+    try:
+        for mode in triton_common.DEPENDENT_LAUNCH_MODES:
+            triton_common.dependent_launch = mode  # read at capture: the graph keeps its launches
+            layer_set, outputs[mode] = _layers(problem, pairs, case, t)
+            steps[mode] = _step(fused.forward, layer_set, t)
+            steps[mode]()
+    finally:
+        triton_common.dependent_launch = DEPENDENT_LAUNCH_DEFAULT
     _sync(t)
     for mode in [m for m in triton_common.DEPENDENT_LAUNCH_MODES if m != "off"]:
         row.same_bits[mode] = all(

@@ -1,0 +1,54 @@
+"""The MLA+MoE device scripts run end to end on the CPU at test sizes (their `--small` mode), so
+that what a scarce GPU session runs has run somewhere first: the per-kernel profile, the
+attention sweep and the trial replay each write the JSON their docs promise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_profile_fused_writes_each_kernel_of_a_layer(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    _run("mla_moe_device_check.py", "--small", "--quick", "--profile-fused", "--out", str(out))
+    rows = json.loads(out.read_text())["profile"]
+    assert [(r["batch"], r["errors"]) for r in rows] == [(1, [])]
+    assert rows[0]["layer_us"] > 0 and rows[0]["kernels"]
+    assert all({"name", "us", "gap_before_us"} <= set(k) for k in rows[0]["kernels"])
+
+
+def test_attention_sweep_checks_every_variant_against_the_reference(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    _run("mla_moe_device_check.py", "--small", "--quick", "--sweep-attention", "--out", str(out))
+    rows = json.loads(out.read_text())["kernels"]
+    assert len(rows) == 4  # batch 1 and 2, two variants each on the CPU
+    for row in rows:
+        assert row["error"] is None, row
+        assert row["relative_error"] < 1e-2 and "variant" in row["note"]
+
+
+def test_trial_probe_replays_a_trial_and_reports_every_token(tmp_path: Path) -> None:
+    out = tmp_path / "probe.json"
+    args = ("--small", "--batch", "3", "--context", "40", "--seed", "5", "--out", str(out))
+    _run("mla_moe_trial_probe.py", *args)
+    result = json.loads(out.read_text())
+    assert result["case"].startswith("batch=3 context=40") and result["reasons"] == []
+    assert [t["token"] for t in result["tokens"]] == [0, 1, 2]
+    for token in result["tokens"]:
+        assert token["candidate_error"] < 0.05 and token["boundary_gap"] >= 0
+        assert len(token["best_experts"]) == 12

@@ -608,6 +608,8 @@ ATTENTION_VARIANTS = [
     (32, 2, 2, 4, 2, 32, 128),  # combine: 4x the programs, every split in one step
     (64, 1, 1, 4, 3, 32, 128),
     (32, 1, 2, 4, 3, 64, 128),
+    (32, 2, 2, 4, 2, 32, 256),  # every split of 32k in one combine step
+    (64, 2, 1, 4, 3, 32, 256),
 ]
 
 

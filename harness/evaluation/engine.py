@@ -500,9 +500,11 @@ def _bytes_moved(path: LoadedPath, case: Case, layer_set: LayerSet) -> int | Non
     """The bytes one timed layer must move, for the HBM fraction: the problem's
     `floor_bytes(case, weights, inputs)` averaged over the timed layers where it has that hook
     (exact for these inputs: e.g. only the experts their routing activates, which at batch 1
-    varies from layer to layer by tens of MB), else its `bytes_moved(case)` estimate."""
+    varies from layer to layer by tens of MB), else its `bytes_moved(case)` estimate. Under
+    decode CP the timed layers hold whole inputs and each rank gets its share inside the call,
+    so there the estimate (one rank's share) is what a rank must move."""
     floor = getattr(path.problem, "floor_bytes", None)
-    if floor is not None:
+    if floor is not None and case.cp == 1:
         per_layer = [floor(case, weights, inputs) for weights, inputs, _ in layer_set.args]
         return round(sum(per_layer) / len(per_layer))
     counter = getattr(path.problem, "bytes_moved", None)

@@ -44,3 +44,10 @@ def test_the_estimate_without_a_floor_hook() -> None:
 
 def test_no_count_without_either_hook() -> None:
     assert _bytes_moved(_path(SimpleNamespace()), CASE, _layers(3)) is None
+
+
+def test_under_context_parallelism_the_per_rank_estimate() -> None:
+    """The timed layers hold whole inputs there; a rank moves only its share."""
+    problem = SimpleNamespace(floor_bytes=_floor, bytes_moved=lambda case: 777)
+    cp_case = Case(1, 1024, 2, 2, "bfloat16", "cpu")
+    assert _bytes_moved(_path(problem), cp_case, _layers(0, 1, 5)) == 777

@@ -100,11 +100,15 @@ def run_decode_check(
     model = build_model(path, case, settings, seed, device)
     try:
         stock = decode(path.baseline, path, case, model, settings.steps, forced=None)
+    except SUBMITTED_CODE_ERRORS as exc:
+        return replace_status(evidence, "crashed", [f"the stock path raised {exc!r}"])
+    try:
         reference = decode(
             path.reference_fn, path, case, model, settings.steps, stock.tokens, exact=True
         )
     except SUBMITTED_CODE_ERRORS as exc:
-        return replace_status(evidence, "crashed", [f"the stock path raised {exc!r}"])
+        return replace_status(evidence, "crashed", [f"the float64 reference raised {exc!r}"])
+    # last: the candidate gets the model's own weight tensors, and nothing runs after it
     try:
         candidate = decode(path.candidate, path, case, model, settings.steps, forced=stock.tokens)
     except SUBMITTED_CODE_ERRORS as exc:
@@ -215,7 +219,8 @@ def compare(
             f"greedy tokens agree at {token_match:.1%} of steps (at least "
             f"{evidence.min_token_match:.1%} needed); first divergence at step {min(diverged)}"
         )
-    within_budget = candidate_off <= evidence.kl_budget * stock_off
+    # a stock path infinitely far from the reference (a NaN) sets no bar at all
+    within_budget = math.isfinite(stock_off) and candidate_off <= evidence.kl_budget * stock_off
     if not (mean_kl <= evidence.max_mean_kl or within_budget):
         reasons.append(
             f"mean KL(stock || candidate) of the next-token distributions {mean_kl:.3g} nats "

@@ -66,6 +66,7 @@ from harness.evaluation.timing import (
     cross_check_flags,
     eager_us,
     l2_cache_bytes,
+    layer_weights,
     refresh_inputs,
     replay_mismatches,
     sample_interleaved,
@@ -405,7 +406,7 @@ def measure_case(
     candidate_steps = step_runners(path.candidate, layer_set, device, stop.captures)
     seed = derive_seed(secret_seed, case.id, "bootstrap")
     refresh_inputs(path, case, layer_set, derive_seed(seed, "before timing"), device)
-    bytes_moved = _bytes_moved(path, case, layer_set)  # of the inputs about to be timed
+    bytes_moved = _bytes_moved(path, case, layer_set, secret_seed, device)  # the timed inputs
     timing = sample_interleaved(stock_steps, candidate_steps, layer_set, device, stop, seed, sync)
     refresh_inputs(path, case, layer_set, derive_seed(seed, "after timing"), device)
     stale = replay_mismatches(
@@ -496,16 +497,23 @@ def reproduce_command(
     return shlex.join(parts + (["--quick"] if quick else []))
 
 
-def _bytes_moved(path: LoadedPath, case: Case, layer_set: LayerSet) -> int | None:
+def _bytes_moved(
+    path: LoadedPath, case: Case, layer_set: LayerSet, secret_seed: int, device: torch.device
+) -> int | None:
     """The bytes one timed layer must move, for the HBM fraction: the problem's
     `floor_bytes(case, weights, inputs)` averaged over the timed layers where it has that hook
     (exact for these inputs: e.g. only the experts their routing activates, which at batch 1
-    varies from layer to layer by tens of MB), else its `bytes_moved(case)` estimate. Under
-    decode CP the timed layers hold whole inputs and each rank gets its share inside the call,
-    so there the estimate (one rank's share) is what a rank must move."""
+    varies from layer to layer by tens of MB), else its `bytes_moved(case)` estimate. The
+    weights are made again from their seeds: the candidate has had the timed layers' own in
+    its hands (warm-up, capture), and rewriting, say, the router there must not raise the
+    count. Under decode CP the timed layers hold whole inputs and each rank gets its share
+    inside the call, so there the estimate (one rank's share) is what a rank must move."""
     floor = getattr(path.problem, "floor_bytes", None)
     if floor is not None and case.cp == 1:
-        per_layer = [floor(case, weights, inputs) for weights, inputs, _ in layer_set.args]
+        per_layer = [
+            floor(case, layer_weights(path, case, secret_seed, layer, device), inputs)
+            for layer, (_, inputs, _) in enumerate(layer_set.args)
+        ]
         return round(sum(per_layer) / len(per_layer))
     counter = getattr(path.problem, "bytes_moved", None)
     return int(counter(case)) if counter else None

@@ -117,9 +117,18 @@ def _layer_args(
     path: LoadedPath, case: Case, secret_seed: int, layer: int, device: torch.device
 ) -> tuple[Tensors, Tensors, Tensors]:
     seed = derive_seed(secret_seed, case.id, "timing-layer", layer)
-    weights = path.problem.make_weights(case, derive_seed(seed, "weights"), device)
+    weights = layer_weights(path, case, secret_seed, layer, device)
     inputs = path.problem.make_inputs(case, derive_seed(seed, "inputs"), device)
     return weights, inputs, path.problem.make_outputs(case, device)
+
+
+def layer_weights(
+    path: LoadedPath, case: Case, secret_seed: int, layer: int, device: torch.device
+) -> Tensors:
+    """A timed layer's weights, made from its seed: again, whenever values the candidate never
+    had in its hands are needed (the candidate's calls get the timed layers' own tensors)."""
+    seed = derive_seed(secret_seed, case.id, "timing-layer", layer)
+    return path.problem.make_weights(case, derive_seed(seed, "weights"), device)  # type: ignore[no-any-return]
 
 
 def _bytes(args: tuple[Tensors, Tensors, Tensors]) -> int:

@@ -459,17 +459,21 @@ def _k_splits(k: int, wanted: int, block_k: int) -> tuple[int, int]:
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []  # smaller counter buffers graphs captured earlier may hold
 
 
 def split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """`count` int32 counters at zero, for the split gate_up: kept per device and reused,
+    """`count` int32 counters at zero, for the split MoE kernels: kept per device and reused,
     since every launch leaves them at zero again. So one fused_moe at a time per device (the
     decode stream), and the first call must come before any CUDA-graph capture (warm-up), for
-    a capture could not zero them outside its own replays."""
+    a capture could not zero them outside its own replays. A buffer outgrown by a larger batch
+    is kept alive, not freed: a graph captured with it still replays into it."""
     counters = _counters.get(device)
     if counters is None or counters.numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split gate_up: call fused_moe once before capturing a graph")
+            raise RuntimeError("split MoE: call fused_moe once before capturing a graph")
+        if counters is not None:
+            _outgrown.append(counters)
         counters = torch.zeros(count, device=device, dtype=torch.int32)
         _counters[device] = counters
     return counters[:count]
@@ -494,6 +498,8 @@ def fused_moe(
     batch, hidden = h.shape
     experts, inter2, _ = w13.shape
     inter, shared_inter = inter2 // 2, shared_down.shape[1]
+    if shared_inter > inter:  # its activations share act's rows, INTER wide
+        raise ValueError(f"shared expert intermediate {shared_inter} > routed {inter}")
     top_k = ids.shape[1]
     act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
     common = dict(

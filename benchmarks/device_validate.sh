@@ -44,6 +44,21 @@ wait)
         cp "$RUN_DIR/$name" "$OUT/" 2> /dev/null || true
     done
     grep -v -i warning "$LOG" | tail -n 25
+    # the verdict's reasons and the claims, which the log's table scrolls away
+    if [[ -f $RUN_DIR/evidence.json ]]; then
+        python3 - "$RUN_DIR/evidence.json" << 'EOF_PY'
+import json, sys
+evidence = json.load(open(sys.argv[1]))
+print("verdict:", evidence["verdict"])
+for reason in evidence["verdict_reasons"]:
+    print(" -", reason[:400])
+for claim in evidence["claims"]:
+    print(f" claim {claim['status']}: {claim['description']}: {claim['reason'][:160]}")
+check = evidence.get("decode_check") or {}
+print(" decode check:", {k: check.get(k) for k in ("status", "token_match", "mean_kl",
+      "stock_kl_from_reference", "candidate_kl_from_reference")})
+EOF_PY
+    fi
     ;;
 *)
     echo "usage: $0 start SCOPE [options] | wait SECONDS" >&2

@@ -168,8 +168,8 @@ class ModelCheck(Strict):
     # greedy tokens that must agree (under teacher forcing on the stock's tokens)
     min_token_match: float = Field(0.95, gt=0, le=1)
     # mean KL(stock || candidate) of the next-token distributions, in nats; above it the check
-    # still passes when the candidate is at most kl_budget x as far (mean KL) from the float64
-    # reference model as the stock path is (decode_check.py says why)
+    # still passes when the candidate's mean KL from the float64 reference model is at most
+    # kl_budget x the stock path's + max_mean_kl (decode_check.py says why)
     max_mean_kl: float = Field(1e-3, gt=0)
     kl_budget: float = Field(2.0, ge=1)
 

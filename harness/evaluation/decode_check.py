@@ -14,14 +14,10 @@ The bar for the KL is set by the stock path's own error, as the layer check's is
 (the baseline on float64 copies of the model, its state and the stock's tokens) gives
 KL(reference || stock) and KL(reference || candidate), and the check passes when KL(stock ||
 candidate) is within `max_mean_kl`, or the candidate is no further from the reference than
-`kl_budget` x the stock path. In a mixture-of-experts model two correct bf16 paths part ways at
-routing near-ties (one token takes another expert, and that step's distributions differ by a
-whole expert); the stock path's own distance from the reference shows how much of that to expect.
-
-A problem takes part by offering three hooks (kernels/mla_moe_decode/problem.py has them):
-`decode_state(case, seed, device)` (one layer's persistent state), `step_inputs(state, hidden,
-residual)` (the layer's inputs for one step) and `step_finish(state, outputs)` (update the state,
-return the next layer's hidden and residual). The hidden state is the input named "x".
+`kl_budget` x the stock path (+ `max_mean_kl`). In a mixture-of-experts model two correct bf16
+paths part ways at routing near-ties (one token takes another expert, and that step's
+distributions differ by a whole expert); the stock path's own distance from the reference shows
+how much of that to expect.
 """
 
 from __future__ import annotations
@@ -219,14 +215,17 @@ def compare(
             f"greedy tokens agree at {token_match:.1%} of steps (at least "
             f"{evidence.min_token_match:.1%} needed); first divergence at step {min(diverged)}"
         )
-    # a stock path infinitely far from the reference (a NaN) sets no bar at all
-    within_budget = math.isfinite(stock_off) and candidate_off <= evidence.kl_budget * stock_off
+    # A stock path infinitely far from the reference (a NaN) sets no bar at all. The bound
+    # keeps max_mean_kl as slack: a flip is a rare event, and on a seed where the stock path
+    # happens to flip nothing, one flip of the candidate's is no sign of a worse path.
+    bar = evidence.kl_budget * stock_off + evidence.max_mean_kl
+    within_budget = math.isfinite(stock_off) and candidate_off <= bar
     if not (mean_kl <= evidence.max_mean_kl or within_budget):
         reasons.append(
             f"mean KL(stock || candidate) of the next-token distributions {mean_kl:.3g} nats "
             f"(at most {evidence.max_mean_kl:g}), and from the float64 reference the candidate "
             f"is {candidate_off:.3g} nats away against the stock path's {stock_off:.3g} "
-            f"(at most {evidence.kl_budget:g}x)"
+            f"(at most {evidence.kl_budget:g}x that + {evidence.max_mean_kl:g})"
         )
     return replace_status(evidence, "failed" if reasons else "passed", reasons)
 

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from harness.evaluation.cases import Case
-from harness.evaluation.decode_check import check_case, has_hooks, run_decode_check
+from harness.evaluation.decode_check import (
+    Trace,
+    _evidence,
+    check_case,
+    compare,
+    has_hooks,
+    run_decode_check,
+)
 from harness.evaluation.engine import EngineOptions, evaluate
 from harness.evaluation.loading import load_path
 from scopes.manifest import ModelCheck, validate_manifest
@@ -90,6 +97,27 @@ def test_past_the_kl_floor_the_stock_paths_own_distance_from_float64_sets_the_ba
     assert off.status == "failed"
     assert off.candidate_kl_from_reference > settings.kl_budget * off.stock_kl_from_reference
     assert any("from the float64 reference" in r for r in off.reasons), off.reasons
+
+
+def _trace(p_first: float) -> Trace:
+    """Two steps of one prompt over a vocabulary of two, both steps (p_first, 1 - p_first)."""
+    probs = torch.tensor([[[p_first, 1 - p_first]]] * 2, dtype=torch.float64)
+    return Trace(probs.argmax(-1), probs.log().float())
+
+
+def test_the_relative_bar_keeps_max_mean_kl_as_slack() -> None:
+    """Reference 60/40, stock 61/39, candidate 58/42 (same greedy token): the two paths are
+    1.9e-3 nats apart (over the 1e-3 bound), the candidate 8.2e-4 from the reference against
+    the stock's 2.1e-4. 2x the stock's distance alone (4.2e-4) would fail it; with the slack
+    (1.4e-3) it passes, as a candidate one rare flip further off than the stock path should.
+    At 56/44 (3.3e-3 from the reference) it fails."""
+    evidence = _evidence(SETTINGS, "case", 1, [])
+    passed = compare(evidence, _trace(0.61), _trace(0.58), _trace(0.6))
+    assert passed.mean_kl is not None and passed.mean_kl > SETTINGS.max_mean_kl
+    assert passed.candidate_kl_from_reference > 2 * passed.stock_kl_from_reference
+    assert passed.status == "passed", passed.reasons
+    failed = compare(evidence, _trace(0.61), _trace(0.56), _trace(0.6))
+    assert failed.status == "failed" and "from the float64 reference" in failed.reasons[0]
 
 
 def test_a_small_constant_error_fails_with_its_numbers() -> None:

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.evaluation.cases import Case
-from harness.evaluation.correctness import run_trial
+from harness.evaluation.correctness import run_trial, upcast
 from harness.evaluation.loading import load_path
 from harness.evaluation.plan import derive_seed
 from kernels.mla_moe_decode import fused, stock
@@ -73,8 +73,7 @@ def _token_errors(path, case: Case, seed: int, device: torch.device) -> list[dic
         out = problem.make_outputs(case, device)
         fn(weights, inputs, out)
         outputs[name] = out["out"].double()
-    wide = {n: t.double() if t.is_floating_point() else t for n, t in weights.items()}
-    wide_inputs = {n: t.double() if t.is_floating_point() else t for n, t in inputs.items()}
+    wide, wide_inputs = upcast(weights), upcast(inputs)
     reference = problem.make_outputs(case, device)
     reference = {n: t.double() for n, t in reference.items()}
     path.reference_fn(wide, wide_inputs, reference)

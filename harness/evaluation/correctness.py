@@ -144,9 +144,9 @@ def run_trial(
     )
     reference = _run(
         path.reference_fn,
-        _upcast(weights),
-        _upcast(inputs),
-        _upcast(problem.make_outputs(case, device)),
+        upcast(weights),
+        upcast(inputs),
+        upcast(problem.make_outputs(case, device)),
     )
     stock = _run(
         path.baseline,
@@ -361,7 +361,8 @@ def _clone(tensors: Tensors) -> Tensors:
     return {name: t.clone() for name, t in tensors.items()}
 
 
-def _upcast(tensors: Tensors) -> Tensors:
+def upcast(tensors: Tensors) -> Tensors:
+    """Float tensors widened to the reference's dtype (float64), the others cloned."""
     return {
         name: t.to(REFERENCE_DTYPE) if t.is_floating_point() else t.clone()
         for name, t in tensors.items()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.evaluation.cases import Case
+from harness.evaluation.correctness import upcast
 from harness.evaluation.evidence import DecodeCheckEvidence
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.outcomes import SUBMITTED_CODE_ERRORS
@@ -144,7 +145,7 @@ def decode(
     """Greedy decoding with one path; with `forced`, each step's input is the forced token.
     `exact`: on float64 copies of the model, its decode state and the outputs (the reference)."""
     problem, device = path.problem, model.embedding.device
-    widen = _float64 if exact else dict  # either way a fresh dict
+    widen = upcast if exact else dict  # either way a fresh dict
     states = [widen(problem.decode_state(case, s, device)) for s in model.state_seeds]
     outputs = widen(problem.make_outputs(case, device))
     embedding = model.embedding.double() if exact else model.embedding
@@ -164,10 +165,6 @@ def decode(
         log_probs.append(step_log_probs)
         token = greedy if forced is None else forced[step]
     return Trace(torch.stack(tokens), torch.stack(log_probs))
-
-
-def _float64(tensors: Tensors) -> Tensors:
-    return {n: t.double() if t.is_floating_point() else t for n, t in tensors.items()}
 
 
 def _next_token_log_probs(

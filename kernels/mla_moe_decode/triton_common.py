@@ -106,6 +106,13 @@ def rotate_pairs(even, odd, turns):
     return even * cos - odd * sin, odd * cos + even * sin
 
 
+def k_splits(k: int, wanted: int, block_k: int) -> tuple[int, int]:
+    """Split a K range of `k` about `wanted` ways: (K per split, a multiple of block_k; the
+    number of splits that gives)."""
+    k_per_split = triton.cdiv(triton.cdiv(k, wanted), block_k) * block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
 def rows_per_program(batch: int, on_gpu: bool) -> int:
     """Token rows per program of the row-wise kernels: one on the GPU (B programs, each a full
     row in registers); on the CPU up to 16, because the interpreter pays per program."""

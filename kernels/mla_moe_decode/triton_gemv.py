@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.mla_moe_decode.triton_common import (
+    k_splits,
     mma,
     pdl_options,
     prefetch_l2,
@@ -74,10 +75,8 @@ def gemv_blocks(m: int, n: int, k: int, on_gpu: bool, sm_count: int) -> GemvBloc
 def _split(
     block_m: int, block_n: int, block_k: int, k: int, splits: int, warps: int, stages: int
 ) -> GemvBlocks:
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    return GemvBlocks(
-        block_m, block_n, block_k, k_per_split, triton.cdiv(k, k_per_split), warps, stages
-    )
+    k_per_split, splits = k_splits(k, splits, block_k)
+    return GemvBlocks(block_m, block_n, block_k, k_per_split, splits, warps, stages)
 
 
 @triton.jit

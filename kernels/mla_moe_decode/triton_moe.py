@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels.mla_moe_decode.triton_common import (
+    k_splits,
     mma,
     pdl_options,
     round_bf16,
@@ -452,12 +453,6 @@ def _down_kernel(
         tl.store(out_at, round_bf16(out), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _k_splits(k: int, wanted: int, block_k: int) -> tuple[int, int]:
-    """(K per split, a multiple of block_k; the number of splits that gives)."""
-    k_per_split = triton.cdiv(triton.cdiv(k, wanted), block_k) * block_k
-    return k_per_split, triton.cdiv(k, k_per_split)
-
-
 _counters: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []  # smaller counter buffers graphs captured earlier may hold
 
@@ -512,7 +507,7 @@ def fused_moe(
     )
     compact = batch * top_k < experts  # fewer experts can be chosen than there are
     expert_rows = batch * top_k if compact else experts
-    k_per_split, splits = _k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
+    k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
     gate_up_grid = (
         expert_rows + 1,
         triton.cdiv(max(inter, shared_inter), blocks.gate_up_cols),
@@ -547,7 +542,7 @@ def fused_moe(
         **common,
         **pdl_options(h.device),
     )
-    down_k_per_split, down_splits = _k_splits(inter, blocks.down_splits, blocks.down_k)
+    down_k_per_split, down_splits = k_splits(inter, blocks.down_splits, blocks.down_k)
     column_blocks = triton.cdiv(hidden, blocks.down_cols)
     partial, counters = out, out  # unused unless split
     if down_splits > 1:

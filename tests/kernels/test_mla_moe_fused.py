@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from harness.evaluation.cases import Case
-from harness.evaluation.correctness import OutputError, _upcast, check_case, output_error
+from harness.evaluation.correctness import OutputError, check_case, output_error, upcast
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.outcomes import Passed, reasons_of
 from harness.evaluation.plan import derive_seed
@@ -107,7 +107,7 @@ def _assert_within_budget_up_to_near_ties(
         _outputs(fused.forward, weights, inputs),
         _outputs(stock.forward, weights, inputs),
     )
-    exact_weights, exact_inputs = _upcast(weights), _upcast(inputs)
+    exact_weights, exact_inputs = upcast(weights), upcast(inputs)
     reference = _outputs(stock.forward, exact_weights, exact_inputs)
     errors = {
         name: output_error(name, got[name], stock_out[name], reference[name], tolerance)
@@ -220,7 +220,7 @@ def test_a_near_tie_flip_fails_the_global_check_but_not_the_per_token_one() -> N
         _outputs(fused.forward, weights, inputs),
         _outputs(stock.forward, weights, inputs),
     )
-    reference = _outputs(stock.forward, _upcast(weights), _upcast(inputs))
+    reference = _outputs(stock.forward, upcast(weights), upcast(inputs))
     error = output_error("out", got["out"], stock_out["out"], reference["out"], tolerance)
     assert error.error_ratio > 5 * tolerance.error_budget
     _assert_within_budget_up_to_near_ties(weights, inputs, tolerance)

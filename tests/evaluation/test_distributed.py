@@ -96,7 +96,8 @@ def _running(pid: int) -> bool:
 
 
 def _recorded_pids(folder: Path) -> list[int]:
-    return [int(path.read_text()) for path in folder.iterdir()]
+    """From the file names: a rank killed while writing its file leaves it empty."""
+    return [int(path.name.rsplit("-", 1)[1]) for path in folder.iterdir()]
 
 
 def _children_of_this_process() -> list[int]:

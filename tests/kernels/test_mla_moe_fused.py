@@ -649,7 +649,8 @@ def test_each_dependent_launch_mode_gives_the_same_bits_on_the_gpu(mode: str, mo
 def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(batch: int) -> None:
     """The split gate_up and down on the real shard: programs of a tile really run at once here
     (the interpreter runs them one by one), so a race in the last-split sum or a counter left
-    off zero would show as replays that disagree or a result off the unsplit one."""
+    off zero would show as replays that disagree or a result further from float64 than the
+    unsplit one's."""
     cuda = torch.device("cuda")
     c = LayerConfig.from_model_config({})
     gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -676,4 +677,12 @@ def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(ba
         replays.append(out.clone())
         assert not triton_moe._counters[h.device].any()
     assert all(torch.equal(r, replays[0]) for r in replays)
-    assert _relative(replays[0], unsplit_out) < 1e-3  # only the fp32 summation order differs
+    # Split and unsplit differ in fp32 summation order, which flips some bf16 roundings of the
+    # gate/up outputs; so the split result must be as close to float64 as the unsplit one.
+    w = dict(zip(("experts_w13", "experts_w2", "shared_gate_up", "shared_down"), experts))
+    local_ids = ids.long() - c.expert_offset
+    expected = torch.stack(
+        [_moe_reference(c, w, h[b], local_ids[b], routing[b]) for b in range(batch)]
+    )
+    split_error, unsplit_error = _relative(replays[0], expected), _relative(unsplit_out, expected)
+    assert split_error <= 1.5 * unsplit_error + 1e-4, (split_error, unsplit_error)

@@ -226,18 +226,18 @@ def _check_post_norm(
 ) -> KernelCheck:
     splits = _plan(c, batch, 1024, t).o_proj.splits
     parts = torch.randn(splits, batch, c.hidden, generator=gen, device=t.device)
-    residual = _randn((batch, c.hidden), gen, t, 2.0)
-    out, residual_out = torch.empty_like(residual), torch.empty_like(residual)
+    residuals = (_randn((batch, c.hidden), gen, t, 2.0), _randn((batch, c.hidden), gen, t, 2.0))
+    out, residual_out = torch.empty_like(residuals[0]), torch.empty_like(residuals[0])
     weight = w["post_attention_layernorm"]
 
     def run(s: Tensors) -> None:
-        add_rmsnorm(s["parts"], residual, weight, residual_out, out, c.rms_norm_eps)
+        add_rmsnorm(s["parts"], residuals, weight, residual_out, out, c.rms_norm_eps)
 
     def errors() -> tuple[float, float]:
-        expected, _ = stock._add_rms_norm(parts.sum(0).to(BF16), residual, weight, c.rms_norm_eps)
-        return _errors(out, expected)
+        summed = parts.double().sum(0) + residuals[0].double() + residuals[1].double()
+        return _errors(out, stock._rms_norm(summed, weight.double(), c.rms_norm_eps))
 
-    moved = parts.nbytes + (3 * batch * c.hidden + c.hidden) * 2
+    moved = parts.nbytes + (4 * batch * c.hidden + c.hidden) * 2
     name = f"post add+RMSNorm ({splits} o_proj splits)"
     return KernelCheck(name, "Triton", run, {"parts": parts}, moved, errors)
 
@@ -449,11 +449,11 @@ def _local_experts(c: LayerConfig, ids: torch.Tensor) -> int:
 def _moe_reference(
     c: LayerConfig, w: Tensors, h: torch.Tensor, ids: torch.Tensor, routing: torch.Tensor
 ) -> torch.Tensor:
-    """Per (token, local expert) in fp32 with the stock path's bf16 roundings of gate/up and of
-    the activation; the shared expert for every token; summed in fp64."""
+    """Per (token, local expert) in fp32 with the kernels' one bf16 rounding, of the activation
+    (the down GEMM's operand); the shared expert for every token; summed in fp64."""
 
     def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        gate, up = (x.float() @ gate_up.float().T).to(BF16).float().chunk(2, -1)
+        gate, up = (x.float() @ gate_up.float().T).chunk(2, -1)
         act = (gate * torch.sigmoid(gate) * up).to(BF16).float()
         return (act @ down.float().T).double()
 
@@ -1002,7 +1002,7 @@ def _triton_input_norm(
     eps: float,
 ) -> None:
     """--input-norm triton: kernel 10's Triton add+RMSNorm (x as its one split) as kernel 1."""
-    add_rmsnorm(x[None], residual, weight, residual_out, out, eps)
+    add_rmsnorm(x[None], (residual,), weight, residual_out, out, eps)
 
 
 def _environment(t: Target) -> dict[str, str]:

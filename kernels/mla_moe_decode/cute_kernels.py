@@ -1,10 +1,11 @@
 """CuTe DSL kernel of the fused MLA+MoE decode layer: the input residual add + RMSNorm.
 
     residual_out = bf16(x + residual)
-    out          = bf16(bf16((x + residual) * rsqrt(mean((x + residual)^2) + eps)) * weight)
+    out          = bf16((x + residual) * rsqrt(mean((x + residual)^2) + eps) * weight)
 
-The sum and the statistics are fp32 and the roundings are those of vLLM's native
-fused_add_rms_norm and of the stock path (the normalized value is rounded before the weight).
+The sum and the statistics are fp32, and each output is rounded once, as the compiled stock path
+rounds inside its Inductor kernel (eager PyTorch also rounds the normalized value before the
+weight; see ROUNDING in triton_common.py).
 
 Layout: one CTA per token row, THREADS threads. The row (D = 7168 bf16 on the real shard) is cut
 into 128-bit vectors of 8 elements; thread t owns vectors t, t + THREADS, t + 2 THREADS, ...
@@ -143,9 +144,8 @@ def _build(hidden: int, threads: int | None = None) -> Callable[..., None]:
             total = total + warp_sums[warp]
         rstd = cute.math.rsqrt(total / hidden + eps)
 
-        normed = (summed * rstd).to(bf16).to(f32)  # rounded before the weight, as the stock
         r_out = cute.make_fragment_like(t_out)
-        r_out.store((normed * r_weight.load().to(f32)).to(bf16))
+        r_out.store((summed * rstd * r_weight.load().to(f32)).to(bf16))
         cute.copy(atom, r_out, t_out)
 
     @cute.jit

@@ -325,8 +325,10 @@ def _attention_and_routing(
     batch, eps = x.shape[0], c.rms_norm_eps
     plan = _plan(c, x, cache.shape[1])
     turns = rope_turns(x.device, c.qk_rope_head_dim, c.rope_theta)
-    hidden, residual = torch.empty_like(x), torch.empty_like(x)
-    input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, residual, eps)
+    hidden = torch.empty_like(x)
+    # The input norm's bf16 residual sum is only scratch here (kernel 10 overwrites it): the
+    # post-attention norm adds x and residual again in fp32, as the compiled stock path does.
+    input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, out["residual_out"], eps)
     qkv_a = splitk_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a)
     q_c = x.new_empty(batch, c.q_lora_rank)
     norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
@@ -346,7 +348,8 @@ def _attention_and_routing(
     w_uv(o_lat, w["kv_b_proj"], o, nope, plan.attention)
     attn = splitk_gemv(o, w["o_proj"], plan.o_proj)
     moe_in = torch.empty_like(x)
-    add_rmsnorm(attn, residual, w["post_attention_layernorm"], out["residual_out"], moe_in, eps)
+    residuals = (x, inputs["residual"])
+    add_rmsnorm(attn, residuals, w["post_attention_layernorm"], out["residual_out"], moe_in, eps)
     logits = splitk_gemv(moe_in, w["gate"], plan.router)
     bias, scaling = w["e_score_correction_bias"], c.routed_scaling_factor
     ids, routing = route_experts(logits, bias, c.top_k, c.norm_topk_prob, scaling)
@@ -367,4 +370,4 @@ def input_add_rmsnorm(
     if x.is_cuda:
         cute_kernels.add_rmsnorm(x, residual, weight, out, residual_out, eps)
     else:
-        add_rmsnorm(x[None], residual, weight, residual_out, out, eps)
+        add_rmsnorm(x[None], (residual,), weight, residual_out, out, eps)

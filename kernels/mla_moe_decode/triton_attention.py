@@ -37,7 +37,6 @@ from kernels.mla_moe_decode.triton_common import (
     rms_normalize,
     rotate_pairs,
     round_bf16,
-    round_bf16_f32,
     rows_per_program,
     sum_splits,
     wait_for_previous_kernel,
@@ -95,7 +94,7 @@ def _latent_prep_kernel(
     q_mask = row_mask & (qs < Q)[None, :]
     q_c = sum_splits(part_ptr, base + qs[None, :], q_mask, N_SPLITS, split_stride)
     q_weight = tl.load(q_norm_ptr + qs, mask=qs < Q, other=0.0).to(tl.float32)
-    q_c = rms_normalize(round_bf16_f32(q_c), Q, eps, q_weight[None, :])
+    q_c = rms_normalize(q_c, Q, eps, q_weight[None, :])
     tl.store(q_c_ptr + rows[:, None] * Q + qs[None, :], q_c, mask=q_mask)
 
     out_row = kv_new_ptr + rows[:, None] * (L + R)  # (ROWS, 1)
@@ -103,14 +102,14 @@ def _latent_prep_kernel(
     l_mask = row_mask & (ls < L)[None, :]
     kv_c = sum_splits(part_ptr, base + Q + ls[None, :], l_mask, N_SPLITS, split_stride)
     kv_weight = tl.load(kv_norm_ptr + ls, mask=ls < L, other=0.0).to(tl.float32)
-    kv_c = rms_normalize(round_bf16_f32(kv_c), L, eps, kv_weight[None, :])
+    kv_c = rms_normalize(kv_c, L, eps, kv_weight[None, :])
     tl.store(out_row + ls[None, :], kv_c, mask=l_mask)
 
     pairs = tl.arange(0, BLOCK_HALF_R)
     pair_mask = row_mask & (pairs < R // 2)[None, :]
     even_at = base + Q + L + 2 * pairs[None, :]
-    even = round_bf16_f32(sum_splits(part_ptr, even_at, pair_mask, N_SPLITS, split_stride))
-    odd = round_bf16_f32(sum_splits(part_ptr, even_at + 1, pair_mask, N_SPLITS, split_stride))
+    even = sum_splits(part_ptr, even_at, pair_mask, N_SPLITS, split_stride)
+    odd = sum_splits(part_ptr, even_at + 1, pair_mask, N_SPLITS, split_stride)
     positions = tl.load(positions_ptr + rows, mask=rows < B, other=0).to(tl.float64)
     freqs = tl.load(turns_ptr + pairs, mask=pairs < R // 2, other=0.0)
     even, odd = rotate_pairs(even, odd, positions[:, None] * freqs[None, :])
@@ -206,8 +205,8 @@ def _q_absorb_kernel(
         pairs = tl.arange(0, BLOCK_HALF_R)
         pair_mask = row_mask[:, None] & (pairs < R // 2)[None, :]
         even_at = q_row + NOPE + 2 * pairs[None, :]
-        even = round_bf16_f32(sum_splits(part_ptr, even_at, pair_mask, N_SPLITS, split_stride))
-        odd = round_bf16_f32(sum_splits(part_ptr, even_at + 1, pair_mask, N_SPLITS, split_stride))
+        even = sum_splits(part_ptr, even_at, pair_mask, N_SPLITS, split_stride)
+        odd = sum_splits(part_ptr, even_at + 1, pair_mask, N_SPLITS, split_stride)
         positions = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.float64)
         freqs = tl.load(turns_ptr + pairs, mask=pairs < R // 2, other=0.0)
         even, odd = rotate_pairs(even, odd, positions[:, None] * freqs[None, :])

@@ -1,13 +1,18 @@
 """Device helpers shared by the fused path's Triton kernels.
 
-- `round_bf16` / `round_bf16_f32`: float32 -> bfloat16 round-to-nearest-even done on the bits.
-  The GPU's conversion already rounds to nearest; Triton's CPU interpreter truncates, which would
-  double the rounding error there. Rounding explicitly gives the same bits on both.
+- ROUNDING: the kernels keep every intermediate in fp32 and round to bf16 only where a value
+  leaves as bf16: stored to memory, or fed to a bf16 MMA. That is what the compiled stock path
+  (the baseline) does inside each Inductor kernel, where eager PyTorch rounds after every bf16
+  op; a fused path that copied eager's extra roundings sat 1.2-1.4x further from float64 than
+  the compiled stock (docs/mla_moe_notes.md, `benchmarks/mla_moe_precision_probe.py`).
+- `round_bf16`: float32 -> bfloat16 round-to-nearest-even done on the bits. The GPU's
+  conversion already rounds to nearest; Triton's CPU interpreter truncates, which would double
+  the rounding error there. Rounding explicitly gives the same bits on both.
 - `mma`: `tl.dot` with a float32 accumulator. The interpreter (Triton 3.9) returns garbage for
   bf16 operands, so there (`DOT_F32`) the operands are widened first: bf16 x bf16 products are
   exact in fp32, so the result is the same class of number (fp32 accumulation of exact products).
 - `sum_splits`: the deterministic reduction of split-K partial sums, in split order.
-- `rms_normalize`, `rotate_pairs`: the stock path's RMSNorm and GPT-J RoPE, same roundings.
+- `rms_normalize`, `rotate_pairs`: the stock path's RMSNorm and GPT-J RoPE.
 - `rows_per_program` (host side): how many token rows the row-wise kernels give a program.
 - `dependent_launch`, `pdl_options` (host side), `wait_for_previous_kernel`, `prefetch_l2`:
   programmatic dependent launch (PDL, sm_90+), off by default. A kernel launched with the PDL
@@ -35,18 +40,8 @@ dependent_launch = "off"
 
 
 @triton.jit
-def round_bf16_f32(x):
-    """fp32 -> the nearest bf16 value (ties to even), still held in fp32."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def round_bf16(x):
-    """fp32 -> bf16, round to nearest even (the conversion of an exact bf16 value is exact).
-    The bit trick is repeated rather than calling round_bf16_f32: the interpreter re-patches
-    triton.language on every device-function call, which dominates its run time."""
+    """fp32 -> bf16, round to nearest even (the conversion of an exact bf16 value is exact)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
@@ -85,10 +80,9 @@ def sum_splits(ptr, offsets, mask, N_SPLITS: tl.constexpr, split_stride):
 @triton.jit
 def rms_normalize(x, n, eps, weight):
     """x (..., BLOCK) fp32 with masked lanes 0, weight (BLOCK,) fp32 -> bf16 rmsnorm(x) * weight
-    over the last axis, rounded before the weight as the stock (vLLM native) RMSNorm does."""
+    over the last axis, rounded once (see ROUNDING in the module docstring)."""
     mean_square = tl.sum(x * x, axis=-1, keep_dims=True) / n
-    normed = round_bf16_f32(x * tl.rsqrt(mean_square + eps))
-    return round_bf16(normed * weight)
+    return round_bf16(x * tl.rsqrt(mean_square + eps) * weight)
 
 
 @triton.jit

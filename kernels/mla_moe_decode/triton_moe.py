@@ -48,7 +48,6 @@ from kernels.mla_moe_decode.triton_common import (
     mma,
     pdl_options,
     round_bf16,
-    round_bf16_f32,
     rows_per_program,
     sum_splits,
     wait_for_previous_kernel,
@@ -311,10 +310,8 @@ def _store_act(
     BLOCK_I: tl.constexpr,
 ):
     """The gate_up epilogue: (BLOCK_M, 2 BLOCK_I) fp32 sums of interleaved [gate f, up f]
-    rows -> SiLU(gate) * up, rounded as the stock path rounds, into act[row, slot]."""
+    rows -> SiLU(gate) * up, rounded once to bf16 (the down GEMM's operand), into act[row, slot]."""
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_I, 2)))
-    gate = round_bf16_f32(gate)  # the grouped GEMM's bf16 output, as in the stock path
-    up = round_bf16_f32(up)
     act = round_bf16(gate / (1.0 + tl.exp(-gate)) * up)
     cols = col_block * BLOCK_I + tl.arange(0, BLOCK_I)
     out_at = act_ptr + (rows * (TOP_K + 1) + slot)[:, None] * INTER + cols[None, :]

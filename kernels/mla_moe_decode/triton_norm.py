@@ -1,13 +1,15 @@
 """Residual add + RMSNorm whose first operand arrives as split-K partial sums.
 
-    a            = bf16(sum over splits of parts[s, b, :])     (the projection's bf16 output)
-    sum          = a + residual[b]                             (fp32)
+    a            = sum over splits of parts[s, b, :]           (the projection, fp32)
+    sum          = a + residuals[0][b] (+ residuals[1][b])     (fp32)
     residual_out = bf16(sum)
-    out          = bf16(bf16(sum * rsqrt(mean(sum^2) + eps)) * weight)
+    out          = bf16(sum * rsqrt(mean(sum^2) + eps) * weight)
 
 The layer's post-attention norm reads o_proj's partial sums this way (no separate reduction
-kernel). With one "split" holding bf16 x it is the input_layernorm: the CPU stand-in for the CuTe
-DSL kernel of cute_kernels.py, which the GPU runs instead.
+kernel), and the layer's two inputs x and residual rather than the input norm's bf16 sum of them:
+every intermediate stays fp32 (ROUNDING in triton_common.py). With one "split" holding bf16 x
+it is the input_layernorm: the CPU stand-in for the CuTe DSL kernel of cute_kernels.py, which
+the GPU runs instead.
 One program per token row on the GPU; the row (7168 wide on the real shard) sits in registers.
 """
 
@@ -21,7 +23,6 @@ from kernels.mla_moe_decode.triton_common import (
     pdl_options,
     rms_normalize,
     round_bf16,
-    round_bf16_f32,
     rows_per_program,
     sum_splits,
     wait_for_previous_kernel,
@@ -32,6 +33,7 @@ from kernels.mla_moe_decode.triton_common import (
 def _add_rmsnorm_kernel(
     part_ptr,  # (splits, B, D) fp32 partial sums, or (1, B, D) bf16
     residual_ptr,  # (B, D) bf16
+    residual2_ptr,  # (B, D) bf16, read when TWO_RESIDUALS
     weight_ptr,  # (D,) bf16
     residual_out_ptr,  # (B, D) bf16
     out_ptr,  # (B, D) bf16
@@ -42,6 +44,7 @@ def _add_rmsnorm_kernel(
     eps,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    TWO_RESIDUALS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -51,7 +54,9 @@ def _add_rmsnorm_kernel(
     offsets = rows[:, None] * D + cols[None, :]
     projected = sum_splits(part_ptr, offsets, mask, N_SPLITS, split_stride)
     residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    summed = round_bf16_f32(projected) + residual
+    if TWO_RESIDUALS:
+        residual += tl.load(residual2_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    summed = projected + residual
     tl.store(residual_out_ptr + offsets, round_bf16(summed), mask=mask)
     weight = tl.load(weight_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     tl.store(out_ptr + offsets, rms_normalize(summed, D, eps, weight[None, :]), mask=mask)
@@ -59,20 +64,23 @@ def _add_rmsnorm_kernel(
 
 def add_rmsnorm(
     parts: torch.Tensor,
-    residual: torch.Tensor,
+    residuals: tuple[torch.Tensor, ...],
     weight: torch.Tensor,
     residual_out: torch.Tensor,
     out: torch.Tensor,
     eps: float,
 ) -> None:
-    """parts (splits, B, D) fp32 or (1, B, D) bf16; residual (B, D) bf16 -> writes residual_out
-    and out (B, D) bf16 as the module docstring says."""
+    """parts (splits, B, D) fp32 or (1, B, D) bf16; one or two residuals (B, D) bf16 -> writes
+    residual_out and out (B, D) bf16 as the module docstring says."""
+    if len(residuals) not in (1, 2):
+        raise ValueError(f"one or two residuals, not {len(residuals)}")
     n_splits, batch, hidden = parts.shape
     block = triton.next_power_of_2(hidden)
     rows = rows_per_program(batch, parts.is_cuda)
     _add_rmsnorm_kernel[(triton.cdiv(batch, rows),)](
         parts,
-        residual,
+        residuals[0],
+        residuals[-1],
         weight,
         residual_out,
         out,
@@ -83,6 +91,7 @@ def add_rmsnorm(
         eps,
         ROWS=rows,
         BLOCK_D=block,
+        TWO_RESIDUALS=len(residuals) == 2,
         num_warps=min(16, max(1, block // 512)),
         **pdl_options(parts.device),
     )

@@ -548,22 +548,20 @@ def _soft_kernel(
 
 # (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages[, gate_up_splits[,
 # down_splits]]); block_m follows the batch
+# The 2026-12-03 sweep (docs/mla_moe_notes.md): wider gate_up programs won at batch 1, and
+# every split-K variant lost (111-274 µs at batch 1 against 90 unsplit), so one is kept as a check.
 MOE_TILES_SMALL = [
-    (16, 128, 32, 128, 4, 6),  # the plan for batch <= 16
-    (16, 128, 32, 128, 4, 6, 2),  # the gate_up's hidden dim split over 2, 4, 8 programs
-    (16, 128, 32, 128, 4, 6, 4),
-    (16, 128, 32, 128, 4, 4, 8),
-    (8, 128, 32, 128, 4, 6, 4),
-    (16, 128, 32, 128, 4, 6, 4, 2),  # and the down's intermediate dims over 2, 4
-    (16, 128, 32, 128, 4, 6, 4, 4),
-    (16, 128, 16, 128, 4, 6, 4, 2),
-    (8, 128, 32, 128, 4, 6),  # with the compact grid (batch <= 5) small tiles cost no idle programs
-    (8, 256, 32, 128, 4, 4),
-    (8, 128, 16, 128, 4, 6),
-    (16, 256, 32, 128, 4, 4),
-    (16, 64, 32, 64, 4, 8),
-    (32, 128, 32, 128, 4, 4),
-    (16, 128, 64, 128, 4, 4),
+    (32, 128, 32, 128, 4, 4),  # the plan for batch <= 16
+    (16, 128, 32, 128, 4, 6),  # the plan before
+    (32, 128, 32, 128, 4, 4, 2),  # the gate_up's hidden dim split over 2 programs
+    (64, 128, 32, 128, 4, 4),
+    (64, 128, 32, 128, 8, 4),
+    (32, 256, 32, 128, 4, 3),
+    (32, 128, 64, 128, 4, 4),
+    (32, 128, 32, 256, 4, 4),
+    (32, 128, 32, 128, 8, 4),
+    (32, 128, 32, 128, 4, 6),
+    (64, 64, 32, 128, 4, 6),
 ]
 MOE_TILES_LARGE = [
     (16, 128, 16, 128, 4, 3),  # the plan for batch > 16

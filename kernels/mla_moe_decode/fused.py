@@ -260,12 +260,13 @@ def _moe_blocks(batch: int, on_gpu: bool) -> MoeBlocks:
     block_m = max(16, triton.next_power_of_2(batch))
     if not on_gpu:
         return MoeBlocks(block_m, 64, 128, 128, 64, num_warps=4, num_stages=1)
-    # From `mla_moe_device_check.py --sweep-moe` on the H200 (docs/mla_moe_notes.md): of six
-    # tilings each, these were fastest. Batch <= 16: 16 features (32 weight rows) per gate_up
-    # program, 32 outputs per down program, K steps of 128, 6 stages (72 / 174 µs at batch 1 / 8,
-    # against 92 / 223 for 8 features, 256-wide K steps, 4 stages).
+    # From `mla_moe_device_check.py --sweep-moe` on the H200 (docs/mla_moe_notes.md). Batch
+    # <= 16: 32 features (64 weight rows) per gate_up program, 32 outputs per down program, K
+    # steps of 128, 4 stages: 82 / 175 µs at batch 1 / 8 in the 2026-12-03 sweep of 15 tilings,
+    # against 90 / 175 for 16 features and 6 stages (the earlier pick), and 111-274 µs at batch
+    # 1 with the gate_up or down split over K (split-K stays off).
     if batch <= 16:
-        return MoeBlocks(block_m, 16, 128, 32, 128, num_warps=4, num_stages=6)
+        return MoeBlocks(block_m, 32, 128, 32, 128, num_warps=4, num_stages=4)
     # Batch > 16: 32 features per gate_up program and 32 outputs per down program halve how
     # often the token tile is reloaded per weight byte: 860 µs at batch 64 (3.85 TB/s) against
     # 1219 µs for (16, 128, 16, 128).

@@ -6,10 +6,12 @@ ratio was 1.2-1.44 on every output, also on kv_new, which no routing touches, wh
 (against eager stock) it was 0.97-1.01. This tells the two possible causes apart: the compiled
 stock being more accurate than eager (Inductor keeps some intermediates in fp32), or the fused
 kernels losing accuracy on the GPU. Each trial is the harness's own (run_trial): the same
-weights, inputs, reference and error measure as a validate.
+weights, inputs, reference and error measure as a validate. Then the scope's model-level decode
+check (its full settings, as a validate runs it) on --decode-seeds seeds: each path's KL from
+the float64 reference model and the verdict.
 
     python3 benchmarks/mla_moe_precision_probe.py [--device cuda] [--batches 1 16 64] \
-        [--context 1024] [--seeds 3]
+        [--context 1024] [--seeds 3] [--decode-seeds 3]
     python3 benchmarks/mla_moe_precision_probe.py --small   # CPU smoke run, tests' sizes
 
 Prints a table last and writes JSON (default pathgate-out/benchmarks/precision_probe.json).
@@ -31,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness.evaluation import decode_check
 from harness.evaluation.cases import Case
 from harness.evaluation.correctness import run_trial
 from harness.evaluation.loading import load_path
@@ -66,9 +69,19 @@ def main() -> None:
                         "fused": f.candidate_error,
                     }
                 )
+    decode_rows = []
+    check_case = replace(decode_check.check_case(manifest, gpu, 1), config=config)
+    settings = manifest.model_check
+    if args.small:  # the fused guard's CPU range, and short: the interpreter is slow
+        check_case = replace(check_case, batch=2, context=args.context)
+        settings = settings.model_copy(update={"steps": 4, "layers": 2})
+    for seed in range(1, args.decode_seeds + 1):
+        evidence = decode_check.run_decode_check(path, check_case, settings, seed, device)
+        decode_rows.append({"seed": seed, **evidence.model_dump()})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": str(device), "context": args.context, "rows": rows}))
+    record = {"device": str(device), "context": args.context, "rows": rows, "decode": decode_rows}
+    out.write_text(json.dumps(record))
     print(f"relative error from float64 (context {args.context}); JSON: {out}")
     print("| batch | seed | output | eager | compiled | fused | fused/compiled | fused/eager |")
     print("|---|---|---|---|---|---|---|---|")
@@ -77,6 +90,14 @@ def main() -> None:
             f"| {r['batch']} | {r['seed']} | {r['output']} | {r['eager']:.5f} | "
             f"{r['compiled']:.5f} | {r['fused']:.5f} | {r['fused'] / r['compiled']:.3f} | "
             f"{r['fused'] / r['eager']:.3f} |"
+        )
+    print(f"\ndecode check ({check_case.id}): KL from the float64 reference model")
+    print("| seed | status | token match | KL(stock, fused) | stock | fused |")
+    print("|---|---|---|---|---|---|")
+    for d in decode_rows:
+        print(
+            f"| {d['seed']} | {d['status']} | {d['token_match']} | {d['mean_kl']} | "
+            f"{d['stock_kl_from_reference']} | {d['candidate_kl_from_reference']} |"
         )
 
 
@@ -87,11 +108,12 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--decode-seeds", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="CPU, the tests' config")
     parser.add_argument("--out", default="pathgate-out/benchmarks/precision_probe.json")
     args = parser.parse_args()
     if args.small:
-        args.batches, args.context, args.seeds = [2], 64, 1
+        args.batches, args.context, args.seeds, args.decode_seeds = [2], 64, 1, 1
     return args
 
 

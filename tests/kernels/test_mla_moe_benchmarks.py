@@ -52,3 +52,19 @@ def test_trial_probe_replays_a_trial_and_reports_every_token(tmp_path: Path) -> 
     for token in result["tokens"]:
         assert token["candidate_error"] < 0.05 and token["boundary_gap"] >= 0
         assert len(token["best_experts"]) == 12
+
+
+def test_precision_probe_finds_the_fused_path_no_further_from_float64_than_eager(
+    tmp_path: Path,
+) -> None:
+    """The fused kernels round only where a value leaves as bf16, eager PyTorch after every op:
+    on kv_new and residual_out (no routing in them) the fused path must be the closer one."""
+    out = tmp_path / "precision.json"
+    _run("mla_moe_precision_probe.py", "--small", "--out", str(out))
+    record = json.loads(out.read_text())
+    errors = {r["output"]: r for r in record["rows"]}
+    assert set(errors) == {"out", "residual_out", "kv_new"}
+    for name in ("kv_new", "residual_out"):
+        assert 0 < errors[name]["fused"] < errors[name]["eager"], errors[name]
+    [decode] = record["decode"]  # 2 sequences x 4 steps: too few tokens for its verdict
+    assert 0 < decode["candidate_kl_from_reference"] <= decode["stock_kl_from_reference"]

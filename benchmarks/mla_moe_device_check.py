@@ -593,7 +593,9 @@ def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow
 
 # (cached tokens per tile, (token, split) programs per SM, least tiles per split, warps,
 # stages, latent columns per combine program, splits per combine step); the first is the plan
+# at batch <= 8 since the 2026-12-03 sweep, the second the plan before (still used above 8)
 ATTENTION_VARIANTS = [
+    (64, 1, 1, 4, 3, 32, 128),
     (32, 2, 2, 4, 2, 128, 32),
     (32, 1, 2, 4, 3, 128, 32),
     (32, 4, 2, 4, 2, 128, 32),
@@ -604,7 +606,6 @@ ATTENTION_VARIANTS = [
     (32, 2, 2, 4, 2, 64, 64),
     (32, 1, 4, 4, 3, 64, 64),
     (32, 2, 2, 4, 2, 32, 128),  # combine: 4x the programs, every split in one step
-    (64, 1, 1, 4, 3, 32, 128),
     (32, 1, 2, 4, 3, 64, 128),
     (32, 2, 2, 4, 2, 32, 256),  # every split of 32k in one combine step
     (64, 2, 1, 4, 3, 32, 256),

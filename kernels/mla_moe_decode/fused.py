@@ -235,15 +235,24 @@ def _attention_blocks(
     block_h = max(16, triton.next_power_of_2(c.heads))
     context = max(context, 1)  # a decode-CP rank's empty slice: one split that holds no token
     if on_gpu:
-        # Split the context until every SM has about two (token, split) programs, but keep at
-        # least two 32-token tiles per split; the combine then reads splits x 2 KB per head.
-        block_t = 32
-        splits = min(triton.cdiv(2 * sm_count, batch), triton.cdiv(context, 2 * block_t))
+        # Split the context until every SM has `per_sm` (token, split) programs, but keep at
+        # least `least_tiles` tiles per split; the combine then reads splits x 2 KB per head.
+        # (block_t, per_sm, least_tiles, stages, combine_cols, combine_splits). At batch <= 8
+        # from `--sweep-attention` on the H200, 2026-12-03 (docs/mla_moe_notes.md): 64-token
+        # tiles, 3 stages, about one program per SM, and a combine of 32 columns that takes up
+        # to 128 splits per step: split + combine in 7.9 / 10.7 / 18.5 µs at batch 1 and contexts
+        # 1k / 8k / 32k (the other plan: 8.6 / 16.6 / 34.9), 11.5 / 29.6 / 93.3 at batch 8
+        # (11.9 / 34.0 / 100.4). Larger batches were not swept and keep the earlier plan.
+        tiles = (64, 1, 1, 3, 32, 128) if batch <= 8 else (32, 2, 2, 2, 128, 32)
+        block_t, per_sm, least_tiles, stages, combine_cols, combine_splits = tiles
+        splits = min(
+            triton.cdiv(per_sm * sm_count, batch), triton.cdiv(context, least_tiles * block_t)
+        )
         tokens = triton.cdiv(triton.cdiv(context, splits), block_t) * block_t
         return AttentionBlocks(
             block_m, block_h, block_t, triton.cdiv(context, tokens), tokens,
-            combine_heads=1, combine_splits=32, combine_cols=128, absorb_cols=64, uv_cols=32,
-            split_warps=4, split_stages=2,
+            combine_heads=1, combine_splits=combine_splits, combine_cols=combine_cols,
+            absorb_cols=64, uv_cols=32, split_warps=4, split_stages=stages,
         )  # fmt: skip
     # The interpreter pays per program and per op: few, large programs, but still two context
     # splits and a two-step merge loop, so the CPU tests run every path of the GPU's kernels.

@@ -14,10 +14,11 @@ N = nope dim, V = v dim; the cache row is L + R wide (latent | roped key).
     w_uv          o = o_lat @ W_UV per head -> (B, H*V), o_proj's input.
                                                                   program per (head, V block)
 
-Precision follows the stock path: every value the stock path stores in bf16 (GEMM outputs,
-normalized and rotated vectors, the absorbed query, o_lat, o) is rounded to bf16 here at the same
-point; scores, softmax statistics and accumulators are fp32; probabilities are rounded to bf16
-before they multiply the bf16 cache (as FlashMLA and the stock path do). Softmax uses exp2 with
+Precision (ROUNDING in triton_common.py): a value is rounded to bf16 where it leaves as bf16:
+q_c, kv_new, the absorbed query, o_lat and o are stored so, q_nope is an MMA operand, and
+probabilities are rounded before they multiply the bf16 cache (as FlashMLA and the stock path
+do); the GEMVs' sums, the norms and RoPE before those, scores, softmax statistics and
+accumulators are fp32. Softmax uses exp2 with
 log2(e) folded into the scale. RoPE angles are reduced in fp64 (triton_common.rotate_pairs).
 """
 

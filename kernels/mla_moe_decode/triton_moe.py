@@ -29,10 +29,10 @@ Tokens are never gathered or sorted: a program loads all B (<= 64) rows with a m
 only the tokens that chose its expert; masked rows move no memory, they cost MMA issue slots
 only. Weights of experts routed to other GPUs' experts are normalized with the rest (as the stock
 path does) and then simply never match a local expert.
-Precision: router logits fp32; gate/up outputs rounded to bf16 and SiLU-and-mul computed in fp32
-and rounded once (as the stock path's grouped GEMM and SiluAndMul); the down projections, the
-routing weights and the expert sum stay fp32 until the single final rounding (the stock path
-rounds each expert's output and the routed sum too: this is at least as accurate).
+Precision (ROUNDING in triton_common.py): router logits fp32; gate/up stay fp32, and SiLU-and-mul
+is rounded once, to the down GEMM's bf16 operand; the down projections, the routing weights and
+the expert sum stay fp32 until the single final rounding. The stock path also rounds gate/up,
+each expert's output and the routed sum: this is at least as accurate.
 """
 
 from __future__ import annotations

@@ -407,10 +407,13 @@ def _check_moe(
     gen: torch.Generator,
     t: Target,
     blocks: MoeBlocks | None = None,
+    shared_only: bool = False,
 ) -> KernelCheck:
     """Routing drawn uniformly (each token top_k of all experts; one local expert forced for
     the first token); each timing copy draws its own, so consecutive launches read different
-    experts, as different layers would. `blocks`: tiles other than the fused path's plan."""
+    experts, as different layers would. `blocks`: tiles other than the fused path's plan.
+    `shared_only`: every token routed to other GPUs' experts, so only the shared expert runs
+    (a third of the layers at batch 1)."""
     plan = blocks or _plan(c, batch, 1024, t).moe
     h = _randn((batch, c.hidden), gen, t)
     routing = torch.rand(batch, c.top_k, generator=gen, device=t.device) / 2
@@ -418,8 +421,11 @@ def _check_moe(
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
 
     def draw() -> Tensors:
-        rows = [torch.randperm(c.experts_total, generator=gen, device=t.device) for _ in h]
+        pool = c.experts_total - c.experts if shared_only else c.experts_total
+        rows = [torch.randperm(pool, generator=gen, device=t.device) for _ in h]
         ids = torch.stack(rows)[:, : c.top_k].contiguous()
+        if shared_only:  # skip this GPU's range of global ids
+            return {"ids": torch.where(ids >= c.expert_offset, ids + c.experts, ids).int()}
         forced = torch.randint(c.experts, (1,), generator=gen, device=t.device)
         ids[0, 0] = c.expert_offset + forced[0]
         return {"ids": ids.int()}
@@ -579,13 +585,16 @@ def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow
     for batch in batches:
         block_m = max(16, triton.next_power_of_2(batch))
         for tiles in MOE_TILES_SMALL if batch <= 16 else MOE_TILES_LARGE:
-            blocks = MoeBlocks(block_m, *tiles)
-            gen = torch.Generator(device=t.device).manual_seed(batch)
-            build = partial(_check_moe, blocks=blocks)
-            row = _soft_kernel(build, problem.config, weights, batch, gen, t)
-            row.note = f"tiles {tiles}; {row.note}"
-            rows.append(row)
-            _print_kernel_row(row)
+            # at batch 1 also with the shared expert alone: its few programs are then the
+            # whole critical path (docs/mla_moe_notes.md, sixth session)
+            for shared_only in (False, True) if batch == 1 else (False,):
+                blocks = MoeBlocks(block_m, *tiles)
+                gen = torch.Generator(device=t.device).manual_seed(batch)
+                build = partial(_check_moe, blocks=blocks, shared_only=shared_only)
+                row = _soft_kernel(build, problem.config, weights, batch, gen, t)
+                row.note = f"tiles {tiles}; {row.note}"
+                rows.append(row)
+                _print_kernel_row(row)
     return rows
 
 

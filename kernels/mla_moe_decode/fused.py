@@ -273,7 +273,9 @@ def _moe_blocks(batch: int, on_gpu: bool) -> MoeBlocks:
     # <= 16: 32 features (64 weight rows) per gate_up program, 32 outputs per down program, K
     # steps of 128, 4 stages: 82 / 175 µs at batch 1 / 8 in the 2026-12-03 sweep of 15 tilings,
     # against 90 / 175 for 16 features and 6 stages (the earlier pick), and 111-274 µs at batch
-    # 1 with the gate_up or down split over K (split-K stays off).
+    # 1 with the gate_up or down split over K (split-K stays off). That sweep drew 1-3 routed
+    # experts per launch; a launch with the shared expert alone (8 programs at these tiles)
+    # is not timed yet: the sweep now times it at batch 1.
     if batch <= 16:
         return MoeBlocks(block_m, 32, 128, 32, 128, num_warps=4, num_stages=4)
     # Batch > 16: 32 features per gate_up program and 32 outputs per down program halve how
@@ -335,10 +337,11 @@ def _attention_and_routing(
     batch, eps = x.shape[0], c.rms_norm_eps
     plan = _plan(c, x, cache.shape[1])
     turns = rope_turns(x.device, c.qk_rope_head_dim, c.rope_theta)
-    hidden = torch.empty_like(x)
-    # The input norm's bf16 residual sum is only scratch here (kernel 10 overwrites it): the
-    # post-attention norm adds x and residual again in fp32, as the compiled stock path does.
-    input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, out["residual_out"], eps)
+    hidden, unused_residual = torch.empty_like(x), torch.empty_like(x)
+    # Kernel 1's bf16 residual sum is not read: the post-attention norm adds x and residual
+    # again in fp32, as the compiled stock path does. A buffer of its own, not residual_out,
+    # which a caller may alias with `residual` (vLLM updates the residual in place).
+    input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, unused_residual, eps)
     qkv_a = splitk_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a)
     q_c = x.new_empty(batch, c.q_lora_rank)
     norms = (w["q_a_layernorm"], w["kv_a_layernorm"])

@@ -393,7 +393,7 @@ def test_add_rmsnorm_rounds_once(splits: int, n_residuals: int) -> None:
     assert _bf16_ulps(out, _rms_norm_f64(summed, weight, 1e-6)) <= ONE_ROUNDING
 
 
-def test_latent_prep_norms_and_rotates_like_the_stock_path() -> None:
+def test_latent_prep_norms_and_rotates_rounding_once() -> None:
     c, gen = LAYER, torch.Generator().manual_seed(1)
     width = c.q_lora_rank + c.latent_dim
     parts = torch.randn(2, 7, width, generator=gen)
@@ -445,17 +445,22 @@ def test_q_absorb_builds_the_latent_query() -> None:
     assert _bf16_ulps(q_lat[..., lora:], q_pe_expected) <= ONE_ROUNDING
 
 
-@pytest.mark.parametrize(("batch", "context"), [(1, 1), (3, 70), (2, 256)])
-def test_split_kv_attention_matches_the_latent_softmax(batch: int, context: int) -> None:
+@pytest.mark.parametrize("gpu_plan", [False, True])
+@pytest.mark.parametrize(("batch", "context"), [(1, 1), (3, 70), (2, 256), (8, 200)])
+def test_split_kv_attention_matches_the_latent_softmax(
+    batch: int, context: int, gpu_plan: bool
+) -> None:
     """Split kernel + combine against float64 math; its error must be of the stock path's
-    size (both round probabilities to bf16 before they meet the cache)."""
+    size (both round probabilities to bf16 before they meet the cache). gpu_plan: the H200's
+    tiles and split rule (132 SMs), run by the interpreter."""
     c, gen = LAYER, torch.Generator().manual_seed(context)
     width = c.latent_dim
     q_lat = (torch.randn(batch, c.heads, width, generator=gen) * 2).to(BF16)
     cache = torch.randn(batch, context, width, generator=gen).to(BF16)
     kv_new = torch.randn(batch, width, generator=gen).to(BF16)
-    plan = fused.layer_plan(LAYER, batch, context, on_gpu=False, sm_count=0).attention
-    assert plan.splits == min(2, context)
+    plan = fused.layer_plan(LAYER, batch, context, on_gpu=gpu_plan, sm_count=132).attention
+    # the CPU plan: two splits; the H200's at these short contexts: one 64-token tile each
+    assert plan.splits == (triton.cdiv(context, 64) if gpu_plan else min(2, context))
     o_lat = torch.empty(batch, c.heads, c.kv_lora_rank, dtype=BF16)
     scale = c.qk_head_dim**-0.5
     mla_attention(q_lat, cache, kv_new, o_lat, scale, plan)
@@ -529,7 +534,9 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     fused_moe(h, ids.int(), routing, *experts, out, c.expert_offset, blocks)
     expected = torch.stack([_moe_reference(c, w, h[b], local[b], routing[b]) for b in range(batch)])
     assert out.isfinite().all()
-    assert _relative(out, expected) < 1e-2
+    # the reference already rounds the activation; what remains is the final rounding (a
+    # second rounding of gate/up, say, would read about 4e-3 here)
+    assert _relative(out, expected) <= 1.2 * _relative(expected.to(BF16), expected)
     if splits > 1:
         assert not triton_moe._counters[CPU].any()  # every tile left its counter at zero
         again = torch.empty_like(h)

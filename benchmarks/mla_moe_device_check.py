@@ -1038,6 +1038,9 @@ def main() -> None:
     if args.input_norm == "triton":
         cute_kernels.add_rmsnorm = _triton_input_norm
         environment["fused_input_norm"] = "Triton add+RMSNorm standing in for the CuTe DSL kernel"
+    if args.shared_in_router != "default":
+        fused.shared_expert_in_router[t.device.type] = args.shared_in_router == "on"
+    environment["shared_expert_in_router"] = str(fused.shared_expert_in_router[t.device.type])
     print(f"{environment}; copy {copy_bw / 1e12:.3f} TB/s, read {read_bw / 1e12:.3f} TB/s")
     batches = [1, 64] if args.quick else [1, 8, 64]
     contexts = [8192] if args.quick else [1024, 8192, 32768]
@@ -1142,6 +1145,12 @@ def _parse_args() -> argparse.Namespace:
         default="cute",
         help="kernel 1 of the fused layer: the CuTe DSL kernel, or (a measurement aid while it "
         "is debugged, marked in the JSON) the Triton add+RMSNorm",
+    )
+    parser.add_argument(
+        "--shared-in-router",
+        choices=("default", "on", "off"),
+        default="default",
+        help="the shared expert's gate_up in the router's GEMV (fused.shared_expert_in_router)",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/mla_moe_device_check.json")

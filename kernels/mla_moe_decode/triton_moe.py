@@ -69,28 +69,43 @@ class MoeBlocks:
 
 @triton.jit
 def _route_kernel(
-    part_ptr,  # (splits, B, E_total) fp32: router partial sums
+    part_ptr,  # (splits, B, N) fp32: router partial sums in columns [0, E_total); with SHARED
+    # the shared expert's [gate; up] sums in [E_total, E_total + 2 I_S)
     bias_ptr,  # (E_total,) fp32: e_score_correction_bias
     ids_ptr,  # (B, TOP_K) int32 out: global expert ids
     weights_ptr,  # (B, TOP_K) fp32 out
+    act_ptr,  # SHARED: (B, TOP_K + 1, INTER) bf16 out, slot TOP_K: the shared activation
     N_SPLITS: tl.constexpr,  # sum_splits unrolls over it
     split_stride,
     B,
+    N,
     E_TOTAL,
+    I_SHARED,
+    INTER,
     scaling,
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SHARED: tl.constexpr,
+    BLOCK_IS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < B
+    if SHARED:  # SiLU(gate) * up of the shared expert, rounded once (the down GEMM's operand)
+        features = tl.arange(0, BLOCK_IS)
+        f_mask = row_mask[:, None] & (features < I_SHARED)[None, :]
+        gate_at = rows[:, None] * N + E_TOTAL + features[None, :]
+        gate = sum_splits(part_ptr, gate_at, f_mask, N_SPLITS, split_stride)
+        up = sum_splits(part_ptr, gate_at + I_SHARED, f_mask, N_SPLITS, split_stride)
+        act_at = act_ptr + (rows * (TOP_K + 1) + TOP_K)[:, None] * INTER + features[None, :]
+        tl.store(act_at, round_bf16(gate / (1.0 + tl.exp(-gate)) * up), mask=f_mask)
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < E_TOTAL
-    logit_at = rows[:, None] * E_TOTAL + experts[None, :]  # (ROWS, BLOCK_E)
+    logit_at = rows[:, None] * N + experts[None, :]  # (ROWS, BLOCK_E)
     logits = sum_splits(
         part_ptr, logit_at, row_mask[:, None] & e_mask[None, :], N_SPLITS, split_stride
     )
@@ -122,9 +137,19 @@ def route(
     top_k: int,
     normalize: bool,
     scaling: float,
+    shared_act: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """parts (splits, B, E_total) fp32 -> (ids (B, top_k) int32 global, weights (B, top_k) fp32)."""
-    n_splits, batch, experts_total = parts.shape
+    """parts (splits, B, E_total) fp32 -> (ids (B, top_k) int32 global, weights (B, top_k) fp32).
+    With shared_act (B, top_k + 1, I) bf16: parts is (splits, B, E_total + 2 I_S), the router
+    GEMV having also computed the shared expert's [gate; up] (splitk_gemv's weight2), and its
+    activation goes to shared_act[:, top_k, :I_S], where fused_moe's down kernel reads it."""
+    n_splits, batch, n = parts.shape
+    experts_total = bias.shape[0]
+    shared_inter = (n - experts_total) // 2
+    if (shared_act is None) != (shared_inter == 0):
+        raise ValueError(
+            f"route: {n} columns for {experts_total} experts, shared_act {shared_act is not None}"
+        )
     ids = torch.empty(batch, top_k, device=parts.device, dtype=torch.int32)
     weights = torch.empty(batch, top_k, device=parts.device, dtype=torch.float32)
     rows = rows_per_program(batch, parts.is_cuda)
@@ -133,16 +158,22 @@ def route(
         bias,
         ids,
         weights,
+        ids if shared_act is None else shared_act,
         n_splits,
         parts.stride(0),
         batch,
+        n,
         experts_total,
+        shared_inter,
+        0 if shared_act is None else shared_act.shape[2],
         scaling,
         TOP_K=top_k,
         NORMALIZE=normalize,
         ROWS=rows,
         BLOCK_E=triton.next_power_of_2(experts_total),
         BLOCK_K=triton.next_power_of_2(top_k),
+        SHARED=shared_act is not None,
+        BLOCK_IS=triton.next_power_of_2(max(shared_inter, 1)),
         num_warps=4,
         **pdl_options(parts.device),
     )
@@ -244,6 +275,7 @@ def _gate_up_kernel(
     COMPACT: tl.constexpr,  # program row e: the e-th chosen local expert (B x TOP_K < E)
     BLOCK_E: tl.constexpr,  # >= E, for COMPACT
     K_SPLITS: tl.constexpr,
+    SHARED_ROW: tl.constexpr,  # the last row of programs is the shared expert's
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -252,7 +284,8 @@ def _gate_up_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
     table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
-    is_shared = expert == tl.num_programs(0) - 1
+    # without SHARED_ROW never: the routing kernel computed the shared activation
+    is_shared = (expert == tl.num_programs(0) - 1) if SHARED_ROW else (expert < 0)
     if COMPACT:
         expert, found = _nth_chosen_expert(table, expert, E, expert_offset, BLOCK_E)
         expert = tl.where(is_shared, E, expert)
@@ -482,18 +515,23 @@ def fused_moe(
     out: torch.Tensor,
     expert_offset: int,
     blocks: MoeBlocks,
+    act: torch.Tensor | None = None,
 ) -> None:
     """h (B, D) bf16; ids (B, top_k) int32 global; routing_weights (B, top_k) fp32;
     w13 (E, 2I, D), w2 (E, D, I), shared_gate_up (2 I_S, D), shared_down (D, I_S) bf16
     -> out (B, D) bf16: the sum over the chosen local experts of weight * SwiGLU_e(h), plus
-    SwiGLU_shared(h)."""
+    SwiGLU_shared(h). act (B, top_k + 1, I) bf16, when given, already holds the shared
+    expert's activation in slot top_k (route's shared_act), so gate_up skips the shared expert
+    and shared_gate_up is not read."""
     batch, hidden = h.shape
     experts, inter2, _ = w13.shape
     inter, shared_inter = inter2 // 2, shared_down.shape[1]
     if shared_inter > inter:  # its activations share act's rows, INTER wide
         raise ValueError(f"shared expert intermediate {shared_inter} > routed {inter}")
     top_k = ids.shape[1]
-    act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
+    shared_row = act is None
+    if act is None:
+        act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
     common = dict(
         TOP_K=top_k,
         BLOCK_K_SLOTS=triton.next_power_of_2(top_k),
@@ -506,7 +544,7 @@ def fused_moe(
     expert_rows = batch * top_k if compact else experts
     k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
     gate_up_grid = (
-        expert_rows + 1,
+        expert_rows + int(shared_row),
         triton.cdiv(max(inter, shared_inter), blocks.gate_up_cols),
         splits,
     )
@@ -536,6 +574,7 @@ def fused_moe(
         COMPACT=compact,
         BLOCK_E=triton.next_power_of_2(experts),
         K_SPLITS=splits,
+        SHARED_ROW=shared_row,
         **common,
         **pdl_options(h.device),
     )

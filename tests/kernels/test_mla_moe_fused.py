@@ -202,6 +202,24 @@ def test_fused_layer_passes_the_harness_correctness_check(batch: int, context: i
     _assert_passes_the_harness_check(path, case, CPU)
 
 
+@pytest.mark.parametrize("batch", [2, 16])
+def test_the_shared_expert_in_either_kernel_passes_the_check(batch: int, monkeypatch) -> None:
+    """The shared expert's gate_up in the router's GEMV (the CPU default, so every layer test
+    above runs it) or as the MoE gate_up kernel's last row (the GPU default until measured):
+    both pass the harness check, and nothing before the MoE changes a bit."""
+    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
+    assert fused.layer_plan(LAYER, batch, 40, False, 0, shared_in_router=True).shared_in_router
+    weights, inputs = _setup(batch, 40, seed=batch)
+    results = {}
+    for in_router in (True, False):
+        monkeypatch.setitem(fused.shared_expert_in_router, "cpu", in_router)
+        results[in_router] = _outputs(fused.forward, weights, inputs)
+        _assert_passes_the_harness_check(path, _case(batch, 40), CPU)
+    for name in ("kv_new", "residual_out"):
+        assert torch.equal(results[True][name], results[False][name])
+    assert _relative(results[True]["out"], results[False]["out"]) < 1e-2
+
+
 def test_fused_layer_at_batch_64_is_within_the_budget() -> None:
     """The largest batch (64-row tiles everywhere), measured as check_case measures it, with one
     candidate run (the interpreter is slow at this size)."""
@@ -368,6 +386,19 @@ def test_splitk_gemv_partials_sum_to_the_product(rows: int, n: int, k: int) -> N
     torch.testing.assert_close(parts.double().sum(0), expected, rtol=1e-5, atol=1e-4)
 
 
+def test_splitk_gemv_over_two_weights_is_the_gemv_over_them_stacked() -> None:
+    """The router's GEMV with the shared expert's [gate; up] rows after its own."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 320, generator=gen).to(BF16)
+    first, second = (torch.randn(n, 320, generator=gen).to(BF16) for n in (128, 96))
+    blocks = gemv_blocks(5, 224, 320, on_gpu=False, sm_count=0)
+    parts = splitk_gemv(x, first, blocks, second)
+    expected = x.double() @ torch.cat([first, second]).double().T
+    torch.testing.assert_close(parts.double().sum(0), expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        splitk_gemv(x, first[:100], blocks, second)  # a program would straddle both weights
+
+
 # One rounding of an fp32 result is at most half a bf16 spacing from the exact value (the
 # ROUNDING rule in triton_common.py); a second rounding on the way would reach about one.
 ONE_ROUNDING = 0.51
@@ -494,6 +525,23 @@ def test_routing_picks_the_biased_top_k_and_weighs_by_the_unbiased_scores() -> N
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
 
 
+def test_routing_also_writes_the_shared_activation_when_the_router_gemv_computed_it() -> None:
+    c, gen = LAYER, torch.Generator().manual_seed(6)
+    shared = c.shared_intermediate
+    parts = torch.randn(3, 20, c.experts_total + 2 * shared, generator=gen)
+    bias = torch.randn(c.experts_total, generator=gen) * 0.5
+    act = torch.full((20, c.top_k + 1, c.moe_intermediate), float("nan"), dtype=BF16)
+    scaling = c.routed_scaling_factor
+    ids, weights = route(parts, bias, c.top_k, c.norm_topk_prob, scaling, act)
+    router_only = parts[..., : c.experts_total].contiguous()
+    plain_ids, plain_weights = route(router_only, bias, c.top_k, c.norm_topk_prob, scaling)
+    assert torch.equal(ids, plain_ids) and torch.equal(weights, plain_weights)
+    gate, up = parts.double().sum(0)[:, c.experts_total :].chunk(2, -1)
+    expected = gate * torch.sigmoid(gate) * up
+    assert _bf16_ulps(act[:, c.top_k, :shared], expected) <= ONE_ROUNDING
+    assert act[:, : c.top_k].isnan().all()  # the routed slots are gate_up's to write
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("batch", [1, 3, 64])
 def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
@@ -596,6 +644,17 @@ def test_real_shard_passes_the_harness_check_on_the_gpu(batch: int, context: int
     assert fused.supports(case)
     _assert_passes_the_harness_check(path, case, torch.device("cuda"))
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_real_shard_with_the_shared_expert_in_the_router_on_the_gpu(
+    batch: int, monkeypatch
+) -> None:
+    """The GPU default keeps the shared expert in the MoE kernel until measured; this runs the
+    other way through the same check (CPU tests run it by default)."""
+    monkeypatch.setitem(fused.shared_expert_in_router, "cuda", True)
+    test_real_shard_passes_the_harness_check_on_the_gpu(batch, 1024)
 
 
 @pytest.mark.gpu

@@ -1150,7 +1150,8 @@ def _parse_args() -> argparse.Namespace:
         "--shared-in-router",
         choices=("default", "on", "off"),
         default="default",
-        help="the shared expert's gate_up in the router's GEMV (fused.shared_expert_in_router)",
+        help="the shared expert's gate_up in the router's GEMV (fused.shared_expert_in_router): "
+        "the layer timings follow it; the per-kernel rows time the default split",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/mla_moe_device_check.json")

@@ -355,7 +355,7 @@ def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
 
 def _attention_and_routing(
     c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Kernels 1-12: writes out["kv_new"] and out["residual_out"]; returns the MoE input
     (B, hidden) bf16, the routing ids (B, top_k) int32 and weights (B, top_k) fp32, and with
     plan.shared_in_router the MoE's activation buffer, its shared slot written (else None)."""

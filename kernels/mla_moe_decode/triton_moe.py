@@ -24,6 +24,11 @@
               tile and a fixed order: deterministic, no atomics, no partial buffers. Split K
               (down_splits > 1): each split takes its part of every expert's intermediate
               dimension, and the last split of a tile sums them as gate_up's splits do.
+    shared    alternatively (fused.shared_expert_in_router) the router's GEMV also computes the
+              shared expert's [gate; up] and `route` its activation, into act's slot top_k;
+              fused_moe is then given that act and its gate_up grid has no shared row (B x
+              top_k or E rows): the shared expert's 7.3 MB stream over the GEMV's wide grid
+              instead of a row of 8-16 programs.
 
 Tokens are never gathered or sorted: a program loads all B (<= 64) rows with a mask that keeps
 only the tokens that chose its expert; masked rows move no memory, they cost MMA issue slots
@@ -145,11 +150,12 @@ def route(
     activation goes to shared_act[:, top_k, :I_S], where fused_moe's down kernel reads it."""
     n_splits, batch, n = parts.shape
     experts_total = bias.shape[0]
-    shared_inter = (n - experts_total) // 2
-    if (shared_act is None) != (shared_inter == 0):
-        raise ValueError(
-            f"route: {n} columns for {experts_total} experts, shared_act {shared_act is not None}"
-        )
+    shared_inter, odd = divmod(n - experts_total, 2)
+    if odd or (shared_act is None) != (shared_inter == 0):
+        given = "with" if shared_act is not None else "without"
+        raise ValueError(f"route: {n} columns for {experts_total} experts, {given} shared_act")
+    if shared_act is not None:
+        _check_act(shared_act, batch, top_k, shared_inter, parts.device)
     ids = torch.empty(batch, top_k, device=parts.device, dtype=torch.int32)
     weights = torch.empty(batch, top_k, device=parts.device, dtype=torch.float32)
     rows = rows_per_program(batch, parts.is_cuda)
@@ -487,6 +493,23 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []  # smaller counter buffers graphs captured earlier may hold
 
 
+def _check_act(act: torch.Tensor, batch: int, top_k: int, width: int, device: torch.device) -> None:
+    """The activation buffer the kernels index by hand: a wrong one would be written out of
+    bounds, not refused. `width`: the least intermediate size it must hold."""
+    if (
+        act.dim() != 3
+        or act.shape[:2] != (batch, top_k + 1)
+        or act.shape[2] < width
+        or act.dtype != torch.bfloat16
+        or not act.is_contiguous()
+        or act.device != device
+    ):
+        raise ValueError(
+            f"act must be contiguous bf16 ({batch}, {top_k + 1}, >= {width}) on {device}, "
+            f"not {act.dtype} {tuple(act.shape)} on {act.device}"
+        )
+
+
 def split_counters(device: torch.device, count: int) -> torch.Tensor:
     """`count` int32 counters at zero, for the split MoE kernels: kept per device and reused,
     since every launch leaves them at zero again. So one fused_moe at a time per device (the
@@ -532,6 +555,10 @@ def fused_moe(
     shared_row = act is None
     if act is None:
         act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
+    else:
+        _check_act(act, batch, top_k, inter, h.device)
+        if act.shape[2] != inter:  # the kernels' row stride
+            raise ValueError(f"act is {act.shape[2]} wide, the experts' intermediate is {inter}")
     common = dict(
         TOP_K=top_k,
         BLOCK_K_SLOTS=triton.next_power_of_2(top_k),

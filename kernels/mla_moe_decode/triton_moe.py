@@ -73,6 +73,13 @@ class MoeBlocks:
 
 
 @triton.jit
+def silu_and_mul(gate, up):
+    """fp32 gate, up -> SiLU(gate) * up in bf16, rounded once: the down GEMM's operand (the
+    routed experts' in gate_up, the shared expert's in the routing kernel)."""
+    return round_bf16(gate / (1.0 + tl.exp(-gate)) * up)
+
+
+@triton.jit
 def _route_kernel(
     part_ptr,  # (splits, B, N) fp32: router partial sums in columns [0, E_total); with SHARED
     # the shared expert's [gate; up] sums in [E_total, E_total + 2 I_S)
@@ -107,7 +114,7 @@ def _route_kernel(
         gate = sum_splits(part_ptr, gate_at, f_mask, N_SPLITS, split_stride)
         up = sum_splits(part_ptr, gate_at + I_SHARED, f_mask, N_SPLITS, split_stride)
         act_at = act_ptr + (rows * (TOP_K + 1) + TOP_K)[:, None] * INTER + features[None, :]
-        tl.store(act_at, round_bf16(gate / (1.0 + tl.exp(-gate)) * up), mask=f_mask)
+        tl.store(act_at, silu_and_mul(gate, up), mask=f_mask)
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < E_TOTAL
     logit_at = rows[:, None] * N + experts[None, :]  # (ROWS, BLOCK_E)
@@ -351,7 +358,7 @@ def _store_act(
     """The gate_up epilogue: (BLOCK_M, 2 BLOCK_I) fp32 sums of interleaved [gate f, up f]
     rows -> SiLU(gate) * up, rounded once to bf16 (the down GEMM's operand), into act[row, slot]."""
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_I, 2)))
-    act = round_bf16(gate / (1.0 + tl.exp(-gate)) * up)
+    act = silu_and_mul(gate, up)
     cols = col_block * BLOCK_I + tl.arange(0, BLOCK_I)
     out_at = act_ptr + (rows * (TOP_K + 1) + slot)[:, None] * INTER + cols[None, :]
     tl.store(out_at, act, mask=chosen[:, None] & (cols < inter)[None, :])

@@ -408,13 +408,9 @@ def test_splitk_gemv_over_two_weights_is_the_gemv_over_them_stacked() -> None:
 
 
 # One rounding of an fp32 result is at most half a bf16 spacing from the exact value (the
-# ROUNDING rule in triton_common.py); a second rounding on the way would reach about one.
+# ROUNDING rule in triton_common.py); a second rounding on the way would reach about one. The
+# exact values: stock._rms_norm on float64 inputs, which rounds nothing.
 ONE_ROUNDING = 0.51
-
-
-def _rms_norm_f64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.double()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
 
 
 @pytest.mark.parametrize(("splits", "n_residuals"), [(1, 1), (3, 1), (3, 2)])
@@ -429,7 +425,7 @@ def test_add_rmsnorm_rounds_once(splits: int, n_residuals: int) -> None:
     add_rmsnorm(parts, residuals, weight, residual_out, out, 1e-6)
     summed = parts.double().sum(0) + sum(r.double() for r in residuals)  # nothing rounded
     assert _bf16_ulps(residual_out, summed) <= ONE_ROUNDING
-    assert _bf16_ulps(out, _rms_norm_f64(summed, weight, 1e-6)) <= ONE_ROUNDING
+    assert _bf16_ulps(out, stock._rms_norm(summed, weight, 1e-6)) <= ONE_ROUNDING
 
 
 def test_latent_prep_norms_and_rotates_rounding_once() -> None:
@@ -446,9 +442,9 @@ def test_latent_prep_norms_and_rotates_rounding_once() -> None:
     )
     latent_prep(parts, q_norm, kv_norm, positions, turns, q_c, kv_new, c.rms_norm_eps)
     q_a, kv_c, k_pe = parts.double().sum(0).split([c.q_lora_rank, c.kv_lora_rank, 16], -1)
-    assert _bf16_ulps(q_c, _rms_norm_f64(q_a, q_norm, c.rms_norm_eps)) <= ONE_ROUNDING
+    assert _bf16_ulps(q_c, stock._rms_norm(q_a, q_norm, c.rms_norm_eps)) <= ONE_ROUNDING
     lora = c.kv_lora_rank
-    kv_c_expected = _rms_norm_f64(kv_c, kv_norm, c.rms_norm_eps)
+    kv_c_expected = stock._rms_norm(kv_c, kv_norm, c.rms_norm_eps)
     assert _bf16_ulps(kv_new[:, :lora], kv_c_expected) <= ONE_ROUNDING
     assert _bf16_ulps(kv_new[:, lora:], _rope_f64(k_pe, positions, c.rope_theta)) <= ONE_ROUNDING
 
@@ -707,7 +703,7 @@ def test_cute_add_rmsnorm_rounds_once_on_the_gpu(batch: int) -> None:
     cute_kernels.add_rmsnorm(x * 3, residual, weight, out, residual_out, 1e-6)
     summed = (x * 3).double() + residual.double()
     assert _bf16_ulps(residual_out, summed) <= ONE_ROUNDING
-    assert _bf16_ulps(out, _rms_norm_f64(summed, weight, 1e-6)) <= ONE_ROUNDING
+    assert _bf16_ulps(out, stock._rms_norm(summed, weight, 1e-6)) <= ONE_ROUNDING
 
 
 @pytest.mark.gpu

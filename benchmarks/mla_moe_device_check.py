@@ -558,21 +558,25 @@ def _soft_kernel(
 # every split-K variant lost (111-274 µs at batch 1 against 90 unsplit), so one is kept as a check.
 MOE_TILES_SMALL = [
     (32, 128, 32, 128, 4, 4),  # the plan for batch <= 16
-    (16, 128, 32, 128, 4, 6),  # the plan before
-    (32, 128, 32, 128, 4, 4, 2),  # the gate_up's hidden dim split over 2 programs
+    (16, 128, 32, 128, 4, 4),
+    (16, 128, 32, 128, 4, 6),
+    (8, 128, 32, 128, 4, 4),
+    (16, 128, 16, 128, 4, 4),
     (64, 128, 32, 128, 4, 4),
-    (64, 128, 32, 128, 8, 4),
-    (32, 256, 32, 128, 4, 3),
-    (32, 128, 64, 128, 4, 4),
-    (32, 128, 32, 256, 4, 4),
     (32, 128, 32, 128, 8, 4),
-    (32, 128, 32, 128, 4, 6),
-    (64, 64, 32, 128, 4, 6),
+    (32, 256, 32, 128, 4, 3),
+    # (..., gate_up splits, down splits, at most this many gate_up programs)
+    (32, 128, 32, 128, 4, 4, 1, 1, 132),
+    (16, 128, 32, 128, 4, 4, 1, 1, 132),
+    (16, 128, 32, 128, 4, 4, 1, 1, 264),
+    (32, 128, 32, 128, 4, 4, 2, 1),  # the gate_up's hidden dim split over 2 programs
 ]
 MOE_TILES_LARGE = [
-    (16, 128, 16, 128, 4, 3),  # the plan for batch > 16
+    (32, 128, 32, 128, 4, 3),  # the plan for batch > 16
+    (32, 128, 32, 128, 4, 3, 1, 1, 264),
+    (32, 128, 32, 128, 4, 3, 1, 1, 528),
     (32, 128, 16, 128, 4, 3),
-    (32, 128, 32, 128, 4, 3),
+    (32, 128, 32, 128, 4, 4),
     (64, 64, 32, 128, 4, 3),
     (64, 128, 64, 64, 8, 3),
     (32, 128, 64, 128, 8, 3),
@@ -1042,7 +1046,7 @@ def main() -> None:
         fused.shared_expert_in_router[t.device.type] = args.shared_in_router == "on"
     environment["shared_expert_in_router"] = str(fused.shared_expert_in_router[t.device.type])
     print(f"{environment}; copy {copy_bw / 1e12:.3f} TB/s, read {read_bw / 1e12:.3f} TB/s")
-    batches = [1, 64] if args.quick else [1, 8, 64]
+    batches = [1, 4, 64] if args.quick else [1, 8, 64]
     contexts = [8192] if args.quick else [1024, 8192, 32768]
     if args.small:
         contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
@@ -1062,7 +1066,7 @@ def main() -> None:
         return
     if args.profile_fused:
         print("== the fused layer, kernel by kernel", flush=True)
-        small_batches = [1, 8] if t.on_gpu else [1]
+        small_batches = [1, 4, 8] if t.on_gpu else [1]
         profile_rows = profile_fused(problem, [(b, c) for b in small_batches for c in contexts], t)
         _write(
             args.out,
@@ -1115,7 +1119,7 @@ def _write(path: Path, result: dict[str, object]) -> None:
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 8192")
+    parser.add_argument("--quick", action="store_true", help="batch 1, 4 and 64, context 8192")
     parser.add_argument("--only-kernels", action="store_true", help="part 1 only")
     parser.add_argument("--small", action="store_true", help="CPU smoke run at test sizes")
     parser.add_argument(

@@ -3,32 +3,35 @@
     route     router partial sums -> logits (fp32) -> sigmoid scores; the top_k of
               score + correction bias (the bias steers the choice only), weights = the chosen
               unbiased scores, normalized, x routed_scaling_factor.     one program per token
-    gate_up   program (expert e, intermediate block j): the tokens that chose e (read from the
-              routing table on the device), h2 @ [gate; up]_e rows of block j, SiLU(gate) * up
-              -> act[token, slot of e, block j]. Programs of an expert no token chose return
-              at once: their weights are never read. The last expert index is the shared
-              expert (every token, slot top_k, its own narrower intermediate size). When the
-              batch can choose fewer experts than there are (B x top_k < E: batch <= 5 here),
-              program e takes the e-th *chosen* local expert instead, so the grid has
-              B x top_k + 1 rows of programs, not E + 1: at batch 1, 9 x 128 programs instead
-              of 49 x 128, most of which would only start, find no token and exit.
-              Split K (gate_up_splits > 1): each (expert, block) is also split over the hidden
-              dimension, so that several programs stream one block's weight rows: at batch 1
-              one active expert is otherwise only 128 programs of 458 KB each, too few to keep
-              HBM busy. Each split stores its fp32 partial tile and counts itself in on the
-              tile's counter; the split that arrives last adds the partials in split order
-              (deterministic), applies SiLU-and-mul and resets the counter for the next launch.
-    down      program (hidden block n) owns out[:, block n]: it walks the local experts in
-              order, and for each one some token chose adds weight * (act @ down_e[block n].T)
+    gate_up   work item (expert, intermediate block j): the tokens that chose the expert (read
+              from the routing table on the device), h2 @ [gate; up]_e rows of block j,
+              SiLU(gate) * up -> act[token, slot of e, block j]. The items are those of the
+              shared expert (every token, slot top_k, its own narrower intermediate size) and
+              of the local experts some token chose, in expert order: each program builds that
+              list from the routing table (a histogram of the chosen ids) and takes items
+              program_id, + programs, ... . The weights of an expert no token chose are never
+              read, and no program is spent on it: the grid is at most as large as the most
+              items the batch can make (B x top_k experts, at most E), and the plan can cap it
+              (gate_up_programs) so that a few programs each stream several items. Before,
+              one program per (expert, block) of every expert that could be chosen was
+              launched and the unchosen ones exited; in the H200 MoE sweep of 2026-12-03 the
+              batch-1 time grew with that count (82 / 90 / 131 µs for 576 / 1152 / 2304
+              programs), and batch 4 launched 2112 programs for about 4 chosen experts' 256.
+              Split K (gate_up_splits > 1): each item is also split over the hidden
+              dimension, so that several programs stream one block's weight rows. Each split
+              stores its fp32 partial tile and counts itself in on the item's counter; the
+              split that arrives last adds the partials in split order (deterministic),
+              applies SiLU-and-mul and resets the counter for the next launch.
+    down      program (hidden block n) owns out[:, block n]: it walks the chosen local experts
+              in order (the same list), and for each one adds weight * (act @ down_e[block n].T)
               for those tokens; then the shared expert with weight 1. One program per output
               tile and a fixed order: deterministic, no atomics, no partial buffers. Split K
               (down_splits > 1): each split takes its part of every expert's intermediate
               dimension, and the last split of a tile sums them as gate_up's splits do.
     shared    alternatively (fused.shared_expert_in_router) the router's GEMV also computes the
               shared expert's [gate; up] and `route` its activation, into act's slot top_k;
-              fused_moe is then given that act and its gate_up grid has no shared row (B x
-              top_k or E rows): the shared expert's 7.3 MB stream over the GEMV's wide grid
-              instead of a row of 8-16 programs.
+              fused_moe is then given that act and gate_up has no shared items: the shared
+              expert's 7.3 MB stream over the GEMV's wide grid instead of 8-16 programs.
 
 Tokens are never gathered or sorted: a program loads all B (<= 64) rows with a mask that keeps
 only the tokens that chose its expert; masked rows move no memory, they cost MMA issue slots
@@ -70,6 +73,7 @@ class MoeBlocks:
     num_stages: int
     gate_up_splits: int = 1  # programs that share one (expert, feature block) over the hidden dim
     down_splits: int = 1  # programs that share one output block over the intermediate dims
+    gate_up_programs: int = 0  # at most this many gate_up programs (per split); 0: one per item
 
 
 @triton.jit
@@ -216,15 +220,31 @@ def _choosers(table, expert_id, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _nth_chosen_expert(table, n, E, expert_offset, BLOCK_E: tl.constexpr):
-    """The n-th (from 0, in expert order) local expert some row of the routing table chose,
-    and whether there are more than n of them."""
-    experts = tl.arange(0, BLOCK_E)
-    hits = table[:, :, None] == (experts + expert_offset)[None, None, :]
-    chosen = (tl.max(tl.max(hits.to(tl.int32), axis=1), axis=0) > 0) & (experts < E)
-    order = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # rank among the chosen
-    pick = chosen & (order == n)
-    return tl.sum(tl.where(pick, experts, 0), axis=0), tl.sum(pick.to(tl.int32), axis=0) > 0
+def _chosen_local_experts(
+    ids_ptr,
+    B,
+    E,
+    expert_offset,
+    TOP_K: tl.constexpr,
+    BLOCK_IDS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """The local experts some token chose, from the routing table: (rank (BLOCK_E,) int32, each
+    chosen expert's place in expert order from 0 and -1 for the rest; how many were chosen)."""
+    flat = tl.arange(0, BLOCK_IDS)  # (token, slot) pairs
+    local = tl.load(ids_ptr + flat, mask=flat < B * TOP_K, other=-1) - expert_offset
+    # ids of other GPUs' experts and padding count in a bin past every local one
+    local = tl.where((local >= 0) & (local < E), local, 2 * BLOCK_E - 1)
+    experts = tl.arange(0, 2 * BLOCK_E)
+    chosen = (tl.histogram(local, 2 * BLOCK_E) > 0) & (experts < E)
+    rank = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    return tl.where(chosen, rank, -1), tl.sum(chosen.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _nth_expert(rank, n, BLOCK_E: tl.constexpr):
+    """The local expert of rank n in _chosen_local_experts' list."""
+    return tl.sum(tl.where(rank == n, tl.arange(0, 2 * BLOCK_E), 0), axis=0)
 
 
 @triton.jit
@@ -244,7 +264,7 @@ def _last_split_sum(
     arrived last). The last one also resets the counter, so the next launch (a graph replay)
     finds it at zero."""
     cols = tl.arange(0, BLOCK_N)
-    tile_at = partial_ptr + tile.to(tl.int64) * K_SPLITS * BLOCK_M * BLOCK_N
+    tile_at = partial_ptr + tl.cast(tile, tl.int64) * K_SPLITS * BLOCK_M * BLOCK_N
     at = rows[:, None] * BLOCK_N + cols[None, :]
     mask = row_mask[:, None]
     tl.store(tile_at + tl.program_id(2) * BLOCK_M * BLOCK_N + at, acc, mask=mask)
@@ -270,8 +290,8 @@ def _gate_up_kernel(
     w13_ptr,  # (E, 2 INTER, D) bf16: [gate; up] per local expert
     shared_ptr,  # (2 I_S, D) bf16: the shared expert's [gate; up]
     act_ptr,  # (B, TOP_K + 1, INTER) bf16 out: slot TOP_K is the shared expert's
-    partial_ptr,  # K_SPLITS > 1: (tiles, K_SPLITS, BLOCK_M, 2 BLOCK_I) fp32 workspace
-    counter_ptr,  # K_SPLITS > 1: (tiles,) int32, zero between launches
+    partial_ptr,  # K_SPLITS > 1: (items, K_SPLITS, BLOCK_M, 2 BLOCK_I) fp32 workspace
+    counter_ptr,  # K_SPLITS > 1: (items,) int32, zero between launches
     B,
     D,
     INTER,
@@ -281,35 +301,33 @@ def _gate_up_kernel(
     k_per_split,
     TOP_K: tl.constexpr,
     BLOCK_K_SLOTS: tl.constexpr,
+    BLOCK_IDS: tl.constexpr,  # >= B x TOP_K
     BLOCK_M: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
-    COMPACT: tl.constexpr,  # program row e: the e-th chosen local expert (B x TOP_K < E)
-    BLOCK_E: tl.constexpr,  # >= E, for COMPACT
+    BLOCK_E: tl.constexpr,  # >= E
     K_SPLITS: tl.constexpr,
-    SHARED_ROW: tl.constexpr,  # the last row of programs is the shared expert's
+    SHARED_ITEMS: tl.constexpr,  # the shared expert's items come first
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    expert = tl.program_id(0)
-    col_block = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
     table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
-    # without SHARED_ROW never: the routing kernel computed the shared activation
-    is_shared = (expert == tl.num_programs(0) - 1) if SHARED_ROW else (expert < 0)
-    if COMPACT:
-        expert, found = _nth_chosen_expert(table, expert, E, expert_offset, BLOCK_E)
-        expert = tl.where(is_shared, E, expert)
-    chosen, slot, _ = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
-    if COMPACT:
-        chosen = tl.where(found, chosen, False)
-    chosen = tl.where(is_shared, row_mask, chosen)
-    slot = tl.where(is_shared, TOP_K, slot)
-    inter = tl.where(is_shared, I_SHARED, INTER)
-    w_base = tl.where(is_shared, shared_ptr, w13_ptr + expert.to(tl.int64) * 2 * INTER * D)
-    if (tl.sum(chosen.to(tl.int32), axis=0) > 0) & (col_block * BLOCK_I < inter):
+    rank, n_chosen = _chosen_local_experts(ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E)
+    blocks_per_expert = tl.cdiv(INTER, BLOCK_I)
+    n_items = SHARED_ITEMS + n_chosen * blocks_per_expert
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        is_shared = item < SHARED_ITEMS
+        routed_item = tl.maximum(item - SHARED_ITEMS, 0)
+        expert = _nth_expert(rank, routed_item // blocks_per_expert, BLOCK_E)
+        col_block = tl.where(is_shared, item, routed_item % blocks_per_expert)
+        chosen, slot, _ = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
+        chosen = tl.where(is_shared, row_mask, chosen)
+        slot = tl.where(is_shared, TOP_K, slot)
+        inter = tl.where(is_shared, I_SHARED, INTER)
+        w_base = tl.where(is_shared, shared_ptr, w13_ptr + expert.to(tl.int64) * 2 * INTER * D)
         # Weight rows interleaved [gate f, up f, gate f+1, up f+1, ...]: one MMA computes both,
         # and a reshape + split separates them.
         pair = tl.arange(0, 2 * BLOCK_I)
@@ -329,9 +347,8 @@ def _gate_up_kernel(
             w = tl.load(w_rows + ks[None, :], mask=f_mask[:, None] & k_mask[None, :], other=0.0)
             acc = mma(h, tl.trans(w), acc, DOT_F32)  # (BLOCK_M, 2 BLOCK_I)
         if K_SPLITS > 1:
-            tile = tl.program_id(0) * tl.num_programs(1) + col_block
             acc, last = _last_split_sum(
-                acc, partial_ptr, counter_ptr, tile, rows, chosen, BLOCK_M, 2 * BLOCK_I, K_SPLITS
+                acc, partial_ptr, counter_ptr, item, rows, chosen, BLOCK_M, 2 * BLOCK_I, K_SPLITS
             )
         else:
             last = True
@@ -420,10 +437,12 @@ def _down_kernel(
     k_per_split,
     TOP_K: tl.constexpr,
     BLOCK_K_SLOTS: tl.constexpr,
+    BLOCK_IDS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     K_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -441,31 +460,32 @@ def _down_kernel(
         other=0.0,
     )  # (BLOCK_M, BLOCK_K_SLOTS)
     table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)  # read once
+    rank, n_chosen = _chosen_local_experts(ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E)
     out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for expert in range(0, E):
+    for n in range(0, n_chosen):  # in expert order, as the sum's order must not vary
+        expert = _nth_expert(rank, n, BLOCK_E)
         chosen, slot, match = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
-        if tl.sum(chosen.to(tl.int32), axis=0) > 0:
-            w_expert = w2_ptr + (expert * D).to(tl.int64) * INTER  # int64: E * D * I is large
-            down = _down_tile(
-                act_ptr,
-                rows,
-                slot,
-                chosen,
-                w_expert,
-                INTER,
-                INTER,
-                cols,
-                col_mask,
-                k_start,
-                k_per_split,
-                TOP_K,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                DOT_F32,
-            )
-            weight = tl.sum(tl.where(match, routing_weights, 0.0), axis=1)  # (BLOCK_M,)
-            out += down * weight[:, None]
+        w_expert = w2_ptr + (expert * D).to(tl.int64) * INTER  # int64: E * D * I is large
+        down = _down_tile(
+            act_ptr,
+            rows,
+            slot,
+            chosen,
+            w_expert,
+            INTER,
+            INTER,
+            cols,
+            col_mask,
+            k_start,
+            k_per_split,
+            TOP_K,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            DOT_F32,
+        )
+        weight = tl.sum(tl.where(match, routing_weights, 0.0), axis=1)  # (BLOCK_M,)
+        out += down * weight[:, None]
     shared_slot = tl.zeros((BLOCK_M,), dtype=tl.int32) + TOP_K
     out += _down_tile(
         act_ptr,
@@ -559,7 +579,7 @@ def fused_moe(
     if shared_inter > inter:  # its activations share act's rows, INTER wide
         raise ValueError(f"shared expert intermediate {shared_inter} > routed {inter}")
     top_k = ids.shape[1]
-    shared_row = act is None
+    shared_in_gate_up = act is None
     if act is None:
         act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
     else:
@@ -569,26 +589,26 @@ def fused_moe(
     common = dict(
         TOP_K=top_k,
         BLOCK_K_SLOTS=triton.next_power_of_2(top_k),
+        BLOCK_IDS=triton.next_power_of_2(batch * top_k),
         BLOCK_M=blocks.block_m,
         DOT_F32=not h.is_cuda,
+        BLOCK_E=triton.next_power_of_2(experts),
         num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,
     )
-    compact = batch * top_k < experts  # fewer experts can be chosen than there are
-    expert_rows = batch * top_k if compact else experts
-    k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
-    gate_up_grid = (
-        expert_rows + int(shared_row),
-        triton.cdiv(max(inter, shared_inter), blocks.gate_up_cols),
-        splits,
+    # work items: the shared expert's feature blocks, then those of every chosen local expert
+    shared_items = triton.cdiv(shared_inter, blocks.gate_up_cols) if shared_in_gate_up else 0
+    most_items = shared_items + min(batch * top_k, experts) * triton.cdiv(
+        inter, blocks.gate_up_cols
     )
-    tiles = gate_up_grid[0] * gate_up_grid[1]
+    programs = min(most_items, blocks.gate_up_programs or most_items)
+    k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
     partial, counters = act, act  # unused unless split
     if splits > 1:
         tile_size = blocks.block_m * 2 * blocks.gate_up_cols
-        partial = torch.empty(tiles, splits, tile_size, device=h.device, dtype=torch.float32)
-        counters = split_counters(h.device, tiles)
-    _gate_up_kernel[gate_up_grid](
+        partial = torch.empty(most_items, splits, tile_size, device=h.device, dtype=torch.float32)
+        counters = split_counters(h.device, most_items)
+    _gate_up_kernel[(programs, 1, splits)](
         h,
         ids,
         w13,
@@ -605,10 +625,8 @@ def fused_moe(
         k_per_split,
         BLOCK_I=blocks.gate_up_cols,
         BLOCK_K=blocks.gate_up_k,
-        COMPACT=compact,
-        BLOCK_E=triton.next_power_of_2(experts),
         K_SPLITS=splits,
-        SHARED_ROW=shared_row,
+        SHARED_ITEMS=shared_items,
         **common,
         **pdl_options(h.device),
     )

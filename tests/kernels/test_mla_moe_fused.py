@@ -551,24 +551,27 @@ def test_routing_also_writes_the_shared_activation_when_the_router_gemv_computed
         route(parts, bias, c.top_k, c.norm_topk_prob, scaling, act[:, :, :16])
 
 
+@pytest.mark.parametrize("programs", [0, 3])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("batch", [1, 3, 64])
 def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
-    batch: int, splits: int
+    batch: int, splits: int, programs: int
 ) -> None:
     """Routed + shared experts against float64 per-token math; the weights of every expert no
-    token chose are NaN, so reading any of them would show. Batch 1 (1 x 6 slots < 8 local
-    experts) runs the compact gate_up grid: its program rows are the 1st, 2nd, ... chosen
-    local expert, and the rows past the two chosen ones must do nothing. Split 3 ways: the
-    gate_up's hidden dimension (320) over 3 programs per tile and the down's intermediate
-    dimensions (96 and 32, K steps of 64) over 2, each summed by the tile's last split; every
-    tile's counter is back at zero afterwards, and a second call gives the same bits."""
+    token chose are NaN, so reading any of them would show. gate_up's work items are the
+    chosen local experts' feature blocks, found on the device: at batch 1 (1 x 6 slots < 8
+    local experts) its grid has room for 6 experts' items, and the two chosen ones, local 6
+    and 7, are past the 6th local expert, so only the list of chosen experts reaches them.
+    programs 3: gate_up's grid capped at 3 programs, each looping over many items. Split 3
+    ways: the gate_up's hidden dimension (320) over 3 programs per item and the down's
+    intermediate dimensions (96 and 32, K steps of 64) over 2, each summed by the tile's last
+    split; every tile's counter is back at zero afterwards, and a second call gives the same
+    bits."""
     c, gen = LAYER, torch.Generator().manual_seed(batch)
     h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
     w = _expert_weights(c, gen)
     # at batch 3 the tokens choose among 6 global experts, of them local 1 and 5 (ids 17, 21);
-    # at batch 1 the one token takes 6 with local 6 and 7 among them (ids 22, 23): past the
-    # compact grid's 6 rows, so only the e-th-chosen mapping reaches them;
+    # at batch 1 the one token takes 6 with local 6 and 7 among them (ids 22, 23);
     # at batch 64 among all but two, so most local experts are chosen
     if batch == 64:  # every expert but local 3 and 6 (global 19, 22)
         pool = torch.tensor([e for e in range(c.experts_total) if e not in (19, 22)])
@@ -585,7 +588,7 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     w["experts_w2"][unchosen] = float("nan")
     out = torch.empty_like(h)
     blocks = MoeBlocks(
-        16 if batch <= 16 else 64, 64, 128, 128, 64, 4, 1, gate_up_splits=splits, down_splits=splits
+        16 if batch <= 16 else 64, 64, 128, 128, 64, 4, 1, splits, splits, gate_up_programs=programs
     )
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
     fused_moe(h, ids.int(), routing, *experts, out, c.expert_offset, blocks)
@@ -798,3 +801,28 @@ def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(ba
     )
     split_error, unsplit_error = _relative(replays[0], expected), _relative(unsplit_out, expected)
     assert split_error <= 1.5 * unsplit_error + 1e-4, (split_error, unsplit_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_capped_gate_up_grid_gives_the_same_bits_as_one_program_per_item(batch: int) -> None:
+    """gate_up_programs only changes which program computes an item, never how: capped so
+    that each program loops over several items, the real shard's MoE gives exactly the bits of
+    one program per item, with the tokens' own routing (some experts chosen, most not)."""
+    cuda = torch.device("cuda")
+    c = LayerConfig.from_model_config({})
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    h = torch.randn(batch, c.hidden, generator=gen, device="cuda").to(BF16)
+    weights = Problem({}).make_weights(_case(batch, 1024, gpu=fused.GPU_KIND, config={}), 1, cuda)
+    experts = [weights[n] for n in ("experts_w13", "experts_w2", "shared_gate_up", "shared_down")]
+    ids = torch.stack(
+        [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
+    ).int()
+    routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
+    plain = dataclasses.replace(fused._moe_blocks(batch, True), gate_up_programs=0)
+    outs = []
+    for blocks in (plain, dataclasses.replace(plain, gate_up_programs=7)):
+        out = torch.empty_like(h)
+        fused_moe(h, ids, routing, *experts, out, c.expert_offset, blocks)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])

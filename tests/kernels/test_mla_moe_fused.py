@@ -760,6 +760,18 @@ def test_each_dependent_launch_mode_gives_the_same_bits_on_the_gpu(mode: str, mo
     assert all(torch.equal(results[mode][k], results["off"][k]) for k in OUTPUTS)
 
 
+def _real_shard_moe(batch: int) -> tuple[LayerConfig, torch.Generator, torch.Tensor, Tensors, list]:
+    """The real shard's config, a generator seeded by the batch, a (batch, hidden) bf16 input,
+    the shard's weights and its four expert tensors in fused_moe's order, on the GPU."""
+    c = LayerConfig.from_model_config({})
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    h = torch.randn(batch, c.hidden, generator=gen, device="cuda").to(BF16)
+    case = _case(batch, 1024, gpu=fused.GPU_KIND, config={})
+    weights = Problem({}).make_weights(case, 1, torch.device("cuda"))
+    experts = [weights[n] for n in ("experts_w13", "experts_w2", "shared_gate_up", "shared_down")]
+    return c, gen, h, weights, experts
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 8])
 def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(batch: int) -> None:
@@ -767,12 +779,7 @@ def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(ba
     (the interpreter runs them one by one), so a race in the last-split sum or a counter left
     off zero would show as replays that disagree or a result further from float64 than the
     unsplit one's."""
-    cuda = torch.device("cuda")
-    c = LayerConfig.from_model_config({})
-    gen = torch.Generator(device="cuda").manual_seed(batch)
-    h = torch.randn(batch, c.hidden, generator=gen, device="cuda").to(BF16)
-    weights = Problem({}).make_weights(_case(batch, 1024, gpu=fused.GPU_KIND, config={}), 1, cuda)
-    experts = [weights[n] for n in ("experts_w13", "experts_w2", "shared_gate_up", "shared_down")]
+    c, gen, h, weights, experts = _real_shard_moe(batch)
     local = torch.randperm(c.experts, generator=gen, device="cuda")[: min(c.top_k, c.experts)]
     ids = (local[None, :].repeat(batch, 1) + c.expert_offset).int()  # every token local
     routing = torch.rand(batch, ids.shape[1], generator=gen, device="cuda") / 4
@@ -809,12 +816,7 @@ def test_capped_gate_up_grid_gives_the_same_bits_as_one_program_per_item(batch: 
     """gate_up_programs only changes which program computes an item, never how: capped so
     that each program loops over several items, the real shard's MoE gives exactly the bits of
     one program per item, with the tokens' own routing (some experts chosen, most not)."""
-    cuda = torch.device("cuda")
-    c = LayerConfig.from_model_config({})
-    gen = torch.Generator(device="cuda").manual_seed(batch)
-    h = torch.randn(batch, c.hidden, generator=gen, device="cuda").to(BF16)
-    weights = Problem({}).make_weights(_case(batch, 1024, gpu=fused.GPU_KIND, config={}), 1, cuda)
-    experts = [weights[n] for n in ("experts_w13", "experts_w2", "shared_gate_up", "shared_down")]
+    c, gen, h, _, experts = _real_shard_moe(batch)
     ids = torch.stack(
         [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
     ).int()

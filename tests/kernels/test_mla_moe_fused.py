@@ -551,18 +551,19 @@ def test_routing_also_writes_the_shared_activation_when_the_router_gemv_computed
         route(parts, bias, c.top_k, c.norm_topk_prob, scaling, act[:, :, :16])
 
 
-@pytest.mark.parametrize("programs", [0, 3])
+@pytest.mark.parametrize(("programs", "cols"), [(0, 64), (3, 64), (0, 16)])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("batch", [1, 3, 64])
 def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
-    batch: int, splits: int, programs: int
+    batch: int, splits: int, programs: int, cols: int
 ) -> None:
     """Routed + shared experts against float64 per-token math; the weights of every expert no
     token chose are NaN, so reading any of them would show. gate_up's work items are the
-    chosen local experts' feature blocks, found on the device: at batch 1 (1 x 6 slots < 8
-    local experts) its grid has room for 6 experts' items, and the two chosen ones, local 6
-    and 7, are past the 6th local expert, so only the list of chosen experts reaches them.
-    programs 3: gate_up's grid capped at 3 programs, each looping over many items. Split 3
+    shared expert's feature blocks and the chosen local experts', listed on the device: local
+    experts 0 and 1 are never chosen, so an item mapped to an expert without that list reads
+    NaN. programs 3: gate_up's grid capped at 3 programs, each looping over many items. cols
+    16: 16 features per item, so the shared expert (32 wide) has two items, the routed ones
+    six each (96), and an item mapped to the wrong feature block shows. Split 3
     ways: the gate_up's hidden dimension (320) over 3 programs per item and the down's
     intermediate dimensions (96 and 32, K steps of 64) over 2, each summed by the tile's last
     split; every tile's counter is back at zero afterwards, and a second call gives the same
@@ -570,15 +571,15 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     c, gen = LAYER, torch.Generator().manual_seed(batch)
     h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
     w = _expert_weights(c, gen)
-    # at batch 3 the tokens choose among 6 global experts, of them local 1 and 5 (ids 17, 21);
+    # at batch 3 the tokens choose among 6 global experts, of them local 5 and 7 (ids 21, 23);
     # at batch 1 the one token takes 6 with local 6 and 7 among them (ids 22, 23);
-    # at batch 64 among all but two, so most local experts are chosen
-    if batch == 64:  # every expert but local 3 and 6 (global 19, 22)
-        pool = torch.tensor([e for e in range(c.experts_total) if e not in (19, 22)])
+    # at batch 64 among all but three, so most local experts are chosen
+    if batch == 64:  # every expert but local 0, 1 and 6 (global 16, 17, 22)
+        pool = torch.tensor([e for e in range(c.experts_total) if e not in (16, 17, 22)])
     elif batch == 1:
         pool = torch.tensor([0, 22, 23, 40, 50, 63])
     else:
-        pool = torch.tensor([0, 17, 21, 40, 50, 63])
+        pool = torch.tensor([0, 21, 23, 40, 50, 63])
     ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[: c.top_k]] for _ in h])
     routing = torch.rand(batch, c.top_k, generator=gen) + 0.1
     local = ids - c.expert_offset
@@ -587,9 +588,8 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     w["experts_w13"][unchosen] = float("nan")
     w["experts_w2"][unchosen] = float("nan")
     out = torch.empty_like(h)
-    blocks = MoeBlocks(
-        16 if batch <= 16 else 64, 64, 128, 128, 64, 4, 1, splits, splits, gate_up_programs=programs
-    )
+    block_m = 16 if batch <= 16 else 64
+    blocks = MoeBlocks(block_m, cols, 128, 128, 64, 4, 1, splits, splits, programs)
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
     fused_moe(h, ids.int(), routing, *experts, out, c.expert_offset, blocks)
     expected = torch.stack([_moe_reference(c, w, h[b], local[b], routing[b]) for b in range(batch)])
@@ -607,7 +607,7 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
 @pytest.mark.parametrize("batch", [1, 64])
 def test_fused_moe_given_the_shared_activation_never_reads_the_shared_gate_up(batch: int) -> None:
     """The routing kernel has written the shared expert's activation (route's shared_act): the
-    gate_up kernel must launch no shared row. Its weights are NaN here, so reading them shows."""
+    gate_up kernel must make no shared items. Its weights are NaN here, so reading them shows."""
     c, gen = LAYER, torch.Generator().manual_seed(batch + 100)
     h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
     w = _expert_weights(c, gen)
@@ -820,6 +820,9 @@ def test_capped_gate_up_grid_gives_the_same_bits_as_one_program_per_item(batch: 
     ids = torch.stack(
         [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
     ).int()
+    local = (ids[0] >= c.expert_offset) & (ids[0] < c.expert_offset + c.experts)
+    if not local.any():  # at least one local expert, at batch 1 too (never a repeated id)
+        ids[0, 0] = c.expert_offset + 5
     routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
     plain = dataclasses.replace(fused._moe_blocks(batch, True), gate_up_programs=0)
     outs = []

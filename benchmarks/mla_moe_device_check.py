@@ -26,6 +26,7 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
         each kernel's duration and the idle gap before it, middle layer
     python3 benchmarks/mla_moe_device_check.py --sweep-attention  # instead of parts 1 and 2:
         the split-KV attention + combine alone at batch 1 and 8 in each ATTENTION_VARIANTS tiling
+        (--batches 16 64: above batch 8, each ATTENTION_VARIANTS_LARGE tiling)
     python3 benchmarks/mla_moe_device_check.py --sweep-pdl      # instead of parts 1 and 2:
         the fused layer in each programmatic dependent launch mode
         (triton_common.dependent_launch), each against "off" in alternating replays, and
@@ -602,7 +603,7 @@ def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow
     return rows
 
 
-# --sweep-attention: the split-KV attention's splits and tiles at small batch, timed as part 1.
+# --sweep-attention: the split-KV attention's splits and tiles, timed as part 1.
 
 # (cached tokens per tile, (token, split) programs per SM, least tiles per split, warps,
 # stages, latent columns per combine program, splits per combine step); the first is the plan
@@ -622,6 +623,25 @@ ATTENTION_VARIANTS = [
     (32, 1, 2, 4, 3, 64, 128),
     (32, 2, 2, 4, 2, 32, 256),  # every split of 32k in one combine step
     (64, 2, 1, 4, 3, 32, 256),
+]
+# Above batch 8 (not swept before 2026-12-03's sixth session): more programs per SM, so that
+# the last wave of (token, split) programs is a small part of the launch (batch 64 x 32768 ran
+# 320 programs on 132 SMs at 2.4-2.6 TB/s), and the small-batch plan's 64-token tiles.
+ATTENTION_VARIANTS_LARGE = [
+    (32, 2, 2, 4, 2, 128, 32),  # the plan above batch 8
+    (64, 1, 1, 4, 3, 32, 128),  # the plan at batch <= 8
+    (64, 2, 1, 4, 3, 128, 32),
+    (64, 4, 1, 4, 3, 128, 32),
+    (64, 8, 1, 4, 3, 128, 32),
+    (64, 16, 1, 4, 3, 128, 32),
+    (64, 4, 1, 8, 3, 128, 32),
+    (64, 8, 1, 8, 3, 128, 32),
+    (64, 4, 1, 4, 2, 128, 32),
+    (32, 4, 2, 4, 3, 128, 32),
+    (32, 8, 2, 4, 3, 128, 32),
+    (32, 16, 2, 4, 3, 128, 32),
+    (32, 4, 2, 4, 4, 128, 32),
+    (32, 8, 2, 8, 4, 128, 32),
 ]
 
 
@@ -653,7 +673,8 @@ def sweep_attention(
     for batch in batches:
         for context in contexts:
             plan = _plan(c, batch, context, t).attention
-            for variant in ATTENTION_VARIANTS if t.on_gpu else ATTENTION_VARIANTS[:2]:
+            variants = ATTENTION_VARIANTS if batch <= 8 else ATTENTION_VARIANTS_LARGE
+            for variant in variants if t.on_gpu else variants[:2]:
                 blocks = attention_variant(plan, context, batch, max(t.sm_count(), 4), variant)
                 gen = torch.Generator(device=t.device).manual_seed(batch)
                 build = partial(_check_attention, context=context, blocks=blocks)
@@ -1066,7 +1087,7 @@ def main() -> None:
         return
     if args.profile_fused:
         print("== the fused layer, kernel by kernel", flush=True)
-        small_batches = [1, 4, 8] if t.on_gpu else [1]
+        small_batches = args.batches or ([1, 4, 8] if t.on_gpu else [1])
         profile_rows = profile_fused(problem, [(b, c) for b in small_batches for c in contexts], t)
         _write(
             args.out,
@@ -1083,8 +1104,8 @@ def main() -> None:
         kernel_rows = sweep_moe(problem, batches, t)
         args.only_kernels = True
     elif args.sweep_attention:
-        print("== split-KV attention at small batch", flush=True)
-        small_batches = [1, 8] if t.on_gpu else [1, 2]
+        print("== split-KV attention", flush=True)
+        small_batches = args.batches or ([1, 8] if t.on_gpu else [1, 2])
         kernel_rows = sweep_attention(problem, small_batches, contexts, t)
         args.only_kernels = True
     else:
@@ -1134,6 +1155,12 @@ def _parse_args() -> argparse.Namespace:
         "--sweep-attention",
         action="store_true",
         help="instead of parts 1 and 2: the split-KV attention's splits and tiles, batch 1 and 8",
+    )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        help="the batches of --sweep-attention and --profile-fused (default 1 8, and 1 4 8)",
     )
     parser.add_argument(
         "--sweep-pdl",

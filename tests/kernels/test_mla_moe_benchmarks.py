@@ -34,9 +34,12 @@ def test_profile_fused_writes_each_kernel_of_a_layer(tmp_path: Path) -> None:
 
 def test_attention_sweep_checks_every_variant_against_the_reference(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
-    _run("mla_moe_device_check.py", "--small", "--quick", "--sweep-attention", "--out", str(out))
+    args = ("--small", "--quick", "--sweep-attention", "--batches", "1", "9", "--out", str(out))
+    _run("mla_moe_device_check.py", *args)
     rows = json.loads(out.read_text())["kernels"]
-    assert len(rows) == 4  # batch 1 and 2, two variants each on the CPU
+    # batch 1 and 9 (past 8: the large-batch variants), two variants each on the CPU
+    assert [r["batch"] for r in rows] == [1, 1, 9, 9]
+    assert "(32, 2, 2, 4, 2, 128, 32)" in rows[2]["note"]
     for row in rows:
         assert row["error"] is None, row
         assert row["relative_error"] < 1e-2 and "variant" in row["note"]

@@ -553,8 +553,8 @@ def _soft_kernel(
 
 # --sweep-moe: the MoE kernels' tiles, timed as part 1 times them.
 
-# (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages[, gate_up_splits[,
-# down_splits]]); block_m follows the batch
+# (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages[, gate_up_splits,
+# down_splits[, gate_up_programs]]): MoeBlocks' fields after block_m, which follows the batch
 # The 2026-12-03 sweep (docs/mla_moe_notes.md): wider gate_up programs won at batch 1, and
 # every split-K variant lost (111-274 µs at batch 1 against 90 unsplit), so one is kept as a check.
 MOE_TILES_SMALL = [
@@ -1063,9 +1063,6 @@ def main() -> None:
     if args.input_norm == "triton":
         cute_kernels.add_rmsnorm = _triton_input_norm
         environment["fused_input_norm"] = "Triton add+RMSNorm standing in for the CuTe DSL kernel"
-    if args.shared_in_router != "default":
-        fused.shared_expert_in_router[t.device.type] = args.shared_in_router == "on"
-    environment["shared_expert_in_router"] = str(fused.shared_expert_in_router[t.device.type])
     print(f"{environment}; copy {copy_bw / 1e12:.3f} TB/s, read {read_bw / 1e12:.3f} TB/s")
     batches = [1, 4, 64] if args.quick else [1, 8, 64]
     contexts = [8192] if args.quick else [1024, 8192, 32768]
@@ -1176,13 +1173,6 @@ def _parse_args() -> argparse.Namespace:
         default="cute",
         help="kernel 1 of the fused layer: the CuTe DSL kernel, or (a measurement aid while it "
         "is debugged, marked in the JSON) the Triton add+RMSNorm",
-    )
-    parser.add_argument(
-        "--shared-in-router",
-        choices=("default", "on", "off"),
-        default="default",
-        help="the shared expert's gate_up in the router's GEMV (fused.shared_expert_in_router): "
-        "the layer timings follow it; the per-kernel rows time the default split",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/mla_moe_device_check.json")

@@ -13,13 +13,10 @@ logits, the same routing rule), in 14 kernels per layer where the stock path run
      8  o_lat @ W_UV per head                                 Triton     triton_attention
      9  o_proj GEMV, split-K                                  Triton     triton_gemv
     10  post-attention residual add + RMSNorm (o_proj splits) Triton     triton_norm
-    11  router GEMV (fp32 logits), split-K [+ shared gate_up]  Triton     triton_gemv
-    12  routing: sigmoid, biased top-k, weights [+ shared act] Triton     triton_moe
+    11  router GEMV (fp32 logits), split-K                    Triton     triton_gemv
+    12  routing: sigmoid, biased top-k, weights               Triton     triton_moe
     13  experts gate_up + SiLU*mul, active experts only       Triton     triton_moe
     14  experts down + routing weights + shared expert sum    Triton     triton_moe
-
-The bracketed parts: with `shared_expert_in_router` (per device type), the shared expert's
-gate_up runs in kernel 11 and its SiLU*mul in 12 instead of in 13.
 
 Every weight byte is read once (the experts only where some token chose them, decided on the
 device from the routing table), nothing synchronizes with the host, and no kernel uses atomics:
@@ -206,23 +203,14 @@ def _cuda_name(index: int | None) -> str:
 # The plan: every kernel's tiles for one (architecture, batch, context), on GPU or CPU.
 
 
-# Whether the shared expert's gate_up runs in the router's GEMV (its SiLU in the routing
-# kernel) rather than as a row of the MoE gate_up kernel, per device type. The MoE kernel gives
-# it 8-16 programs, which stream its 7.3 MB at about 33 µs on the H200 when no routed expert is
-# active (docs/mla_moe_notes.md, sixth session); the GEMV's grid is sized for bandwidth. Off on
-# the GPU until measured there; on for the CPU, whose tests then run both ways.
-shared_expert_in_router = {"cpu": True, "cuda": False}
-
-
 @dataclass(frozen=True)
 class LayerPlan:
     qkv_a: GemvBlocks
     q_b: GemvBlocks
     o_proj: GemvBlocks
-    router: GemvBlocks  # with shared_in_router: over the router's and the shared gate_up's rows
+    router: GemvBlocks
     attention: AttentionBlocks
     moe: MoeBlocks
-    shared_in_router: bool
 
 
 @functools.lru_cache(maxsize=1024)
@@ -232,22 +220,17 @@ def layer_plan(
     context: int,
     on_gpu: bool,
     sm_count: int,
-    shared_in_router: bool = False,
 ) -> LayerPlan:
     def gemv(n: int, k: int) -> GemvBlocks:
         return gemv_blocks(batch, n, k, on_gpu, sm_count)
 
-    router = gemv(c.experts_total + 2 * c.shared_intermediate, c.hidden)
-    # one weight per GEMV program: the router's rows must fill whole column blocks
-    shared_in_router = shared_in_router and c.experts_total % router.block_n == 0
     return LayerPlan(
         qkv_a=gemv(c.q_lora_rank + c.latent_dim, c.hidden),
         q_b=gemv(c.heads * c.qk_head_dim, c.q_lora_rank),
         o_proj=gemv(c.hidden, c.heads * c.v_head_dim),
-        router=router if shared_in_router else gemv(c.experts_total, c.hidden),
+        router=gemv(c.experts_total, c.hidden),
         attention=_attention_blocks(c, batch, context, on_gpu, sm_count),
         moe=_moe_blocks(batch, on_gpu),
-        shared_in_router=shared_in_router,
     )
 
 
@@ -335,30 +318,28 @@ def route(weights: Tensors, inputs: Tensors) -> tuple[torch.Tensor, torch.Tensor
     }
     if not _in_scope(config, weights, inputs, scratch):
         return stock.route(weights, inputs)
-    _, ids, routing, _ = _attention_and_routing(config, weights, inputs, scratch)
+    _, ids, routing = _attention_and_routing(config, weights, inputs, scratch)
     return routing, ids.long()
 
 
 def _fused_layer(c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors) -> None:
-    moe_in, ids, routing, act = _attention_and_routing(c, w, inputs, out)
+    moe_in, ids, routing = _attention_and_routing(c, w, inputs, out)
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
     plan = _plan(c, moe_in, inputs["kv_cache"].shape[1])
-    fused_moe(moe_in, ids, routing, *experts, out["out"], c.expert_offset, plan.moe, act)
+    fused_moe(moe_in, ids, routing, *experts, out["out"], c.expert_offset, plan.moe)
 
 
 def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
     on_gpu = x.is_cuda
     sm_count = _sm_count(x.device.index) if on_gpu else 0
-    in_router = shared_expert_in_router[x.device.type]
-    return layer_plan(c, x.shape[0], context, on_gpu, sm_count, in_router)
+    return layer_plan(c, x.shape[0], context, on_gpu, sm_count)
 
 
 def _attention_and_routing(
     c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernels 1-12: writes out["kv_new"] and out["residual_out"]; returns the MoE input
-    (B, hidden) bf16, the routing ids (B, top_k) int32 and weights (B, top_k) fp32, and with
-    plan.shared_in_router the MoE's activation buffer, its shared slot written (else None)."""
+    (B, hidden) bf16, the routing ids (B, top_k) int32 and weights (B, top_k) fp32."""
     x, positions, cache = inputs["x"], inputs["positions"], inputs["kv_cache"]
     batch, eps = x.shape[0], c.rms_norm_eps
     plan = _plan(c, x, cache.shape[1])
@@ -390,14 +371,9 @@ def _attention_and_routing(
     residuals = (x, inputs["residual"])
     add_rmsnorm(attn, residuals, w["post_attention_layernorm"], out["residual_out"], moe_in, eps)
     bias, scaling = w["e_score_correction_bias"], c.routed_scaling_factor
-    if not plan.shared_in_router:
-        logits = splitk_gemv(moe_in, w["gate"], plan.router)
-        ids, routing = route_experts(logits, bias, c.top_k, c.norm_topk_prob, scaling)
-        return moe_in, ids, routing, None
-    sums = splitk_gemv(moe_in, w["gate"], plan.router, w["shared_gate_up"])
-    act = x.new_empty(batch, c.top_k + 1, c.moe_intermediate)
-    ids, routing = route_experts(sums, bias, c.top_k, c.norm_topk_prob, scaling, act)
-    return moe_in, ids, routing, act
+    logits = splitk_gemv(moe_in, w["gate"], plan.router)
+    ids, routing = route_experts(logits, bias, c.top_k, c.norm_topk_prob, scaling)
+    return moe_in, ids, routing
 
 
 def input_add_rmsnorm(

@@ -82,12 +82,10 @@ def _split(
 @triton.jit
 def _splitk_gemv_kernel(
     x_ptr,  # (M, K) bf16, row stride stride_xm
-    w_ptr,  # (N1, K) bf16, contiguous: output columns [0, N1)
-    w2_ptr,  # (N - N1, K) bf16, contiguous: columns [N1, N) (w_ptr again when N1 == N)
+    w_ptr,  # (N, K) bf16, contiguous
     part_ptr,  # (splits, M, N) fp32
     M,
     N,
-    N1,  # a multiple of BLOCK_N, so that each program reads one weight
     K,
     stride_xm,
     k_per_split,
@@ -105,11 +103,7 @@ def _splitk_gemv_kernel(
     row_mask = rows < M
     col_mask = cols < N
     k_start = split * k_per_split
-    safe_cols = tl.minimum(cols, N - 1)
-    if column_block * BLOCK_N < N1:
-        w_rows = w_ptr + safe_cols[:, None] * K  # (BLOCK_N, 1)
-    else:
-        w_rows = w2_ptr + (safe_cols - N1)[:, None] * K
+    w_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * K  # (BLOCK_N, 1)
     if PREFETCH:  # one pointer per 128-byte line (64 bf16) of this program's weight slice
         for k_offset in range(0, k_per_split, BLOCK_K):
             line_ks = k_start + k_offset + tl.arange(0, BLOCK_K // 64) * 64
@@ -134,33 +128,19 @@ def _splitk_gemv_kernel(
     tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
-def splitk_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    blocks: GemvBlocks,
-    weight2: torch.Tensor | None = None,
-) -> torch.Tensor:
+def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> torch.Tensor:
     """x (M, K) bf16 (unit column stride), weight (N, K) bf16 contiguous -> partial sums
-    (splits, M, N) fp32; their sum over splits is x @ weight.T. With weight2 (N2, K): one GEMV
-    over both, as if stacked by rows (N + N2 columns), without copying them together; N must
-    then be a multiple of blocks.block_n."""
+    (splits, M, N) fp32; their sum over splits is x @ weight.T."""
     m, k = x.shape
-    n1 = weight.shape[0]
-    n = n1 + (0 if weight2 is None else weight2.shape[0])
-    if weight2 is not None and n1 % blocks.block_n:
-        raise ValueError(
-            f"splitk_gemv: {n1} rows of the first weight, not a multiple of {blocks.block_n}"
-        )
+    n = weight.shape[0]
     parts = torch.empty(blocks.splits, m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, blocks.block_n), blocks.splits)
     _splitk_gemv_kernel[grid](
         x,
         weight,
-        weight if weight2 is None else weight2,
         parts,
         m,
         n,
-        n1,
         k,
         x.stride(0),
         blocks.k_per_split,

@@ -28,10 +28,6 @@
               tile and a fixed order: deterministic, no atomics, no partial buffers. Split K
               (down_splits > 1): each split takes its part of every expert's intermediate
               dimension, and the last split of a tile sums them as gate_up's splits do.
-    shared    alternatively (fused.shared_expert_in_router) the router's GEMV also computes the
-              shared expert's [gate; up] and `route` its activation, into act's slot top_k;
-              fused_moe is then given that act and gate_up has no shared items: the shared
-              expert's 7.3 MB stream over the GEMV's wide grid instead of 8-16 programs.
 
 Tokens are never gathered or sorted: a program loads all B (<= 64) rows with a mask that keeps
 only the tokens that chose its expert; masked rows move no memory, they cost MMA issue slots
@@ -78,50 +74,34 @@ class MoeBlocks:
 
 @triton.jit
 def silu_and_mul(gate, up):
-    """fp32 gate, up -> SiLU(gate) * up in bf16, rounded once: the down GEMM's operand (the
-    routed experts' in gate_up, the shared expert's in the routing kernel)."""
+    """fp32 gate, up -> SiLU(gate) * up in bf16, rounded once: the down GEMM's operand."""
     return round_bf16(gate / (1.0 + tl.exp(-gate)) * up)
 
 
 @triton.jit
 def _route_kernel(
-    part_ptr,  # (splits, B, N) fp32: router partial sums in columns [0, E_total); with SHARED
-    # the shared expert's [gate; up] sums in [E_total, E_total + 2 I_S)
-    bias_ptr,  # (E_total,) fp32: e_score_correction_bias
+    part_ptr,  # (splits, B, E_TOTAL) fp32: router partial sums
+    bias_ptr,  # (E_TOTAL,) fp32: e_score_correction_bias
     ids_ptr,  # (B, TOP_K) int32 out: global expert ids
     weights_ptr,  # (B, TOP_K) fp32 out
-    act_ptr,  # SHARED: (B, TOP_K + 1, INTER) bf16 out, slot TOP_K: the shared activation
     N_SPLITS: tl.constexpr,  # sum_splits unrolls over it
     split_stride,
     B,
-    N,
     E_TOTAL,
-    I_SHARED,
-    INTER,
     scaling,
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SHARED: tl.constexpr,
-    BLOCK_IS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < B
-    if SHARED:  # SiLU(gate) * up of the shared expert, rounded once (the down GEMM's operand)
-        features = tl.arange(0, BLOCK_IS)
-        f_mask = row_mask[:, None] & (features < I_SHARED)[None, :]
-        gate_at = rows[:, None] * N + E_TOTAL + features[None, :]
-        gate = sum_splits(part_ptr, gate_at, f_mask, N_SPLITS, split_stride)
-        up = sum_splits(part_ptr, gate_at + I_SHARED, f_mask, N_SPLITS, split_stride)
-        act_at = act_ptr + (rows * (TOP_K + 1) + TOP_K)[:, None] * INTER + features[None, :]
-        tl.store(act_at, silu_and_mul(gate, up), mask=f_mask)
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < E_TOTAL
-    logit_at = rows[:, None] * N + experts[None, :]  # (ROWS, BLOCK_E)
+    logit_at = rows[:, None] * E_TOTAL + experts[None, :]  # (ROWS, BLOCK_E)
     logits = sum_splits(
         part_ptr, logit_at, row_mask[:, None] & e_mask[None, :], N_SPLITS, split_stride
     )
@@ -153,20 +133,12 @@ def route(
     top_k: int,
     normalize: bool,
     scaling: float,
-    shared_act: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """parts (splits, B, E_total) fp32 -> (ids (B, top_k) int32 global, weights (B, top_k) fp32).
-    With shared_act (B, top_k + 1, I) bf16: parts is (splits, B, E_total + 2 I_S), the router
-    GEMV having also computed the shared expert's [gate; up] (splitk_gemv's weight2), and its
-    activation goes to shared_act[:, top_k, :I_S], where fused_moe's down kernel reads it."""
+    """parts (splits, B, E_total) fp32 -> (ids (B, top_k) int32 global, weights (B, top_k) fp32)."""
     n_splits, batch, n = parts.shape
     experts_total = bias.shape[0]
-    shared_inter, odd = divmod(n - experts_total, 2)
-    if odd or (shared_act is None) != (shared_inter == 0):
-        given = "with" if shared_act is not None else "without"
-        raise ValueError(f"route: {n} columns for {experts_total} experts, {given} shared_act")
-    if shared_act is not None:
-        _check_act(shared_act, batch, top_k, shared_inter, parts.device)
+    if n != experts_total:
+        raise ValueError(f"route: {n} columns of router sums for {experts_total} experts")
     ids = torch.empty(batch, top_k, device=parts.device, dtype=torch.int32)
     weights = torch.empty(batch, top_k, device=parts.device, dtype=torch.float32)
     rows = rows_per_program(batch, parts.is_cuda)
@@ -175,22 +147,16 @@ def route(
         bias,
         ids,
         weights,
-        ids if shared_act is None else shared_act,
         n_splits,
         parts.stride(0),
         batch,
-        n,
         experts_total,
-        shared_inter,
-        0 if shared_act is None else shared_act.shape[2],
         scaling,
         TOP_K=top_k,
         NORMALIZE=normalize,
         ROWS=rows,
         BLOCK_E=triton.next_power_of_2(experts_total),
         BLOCK_K=triton.next_power_of_2(top_k),
-        SHARED=shared_act is not None,
-        BLOCK_IS=triton.next_power_of_2(max(shared_inter, 1)),
         num_warps=4,
         **pdl_options(parts.device),
     )
@@ -229,8 +195,9 @@ def _chosen_local_experts(
     BLOCK_IDS: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """The local experts some token chose, from the routing table: (rank (BLOCK_E,) int32, each
-    chosen expert's place in expert order from 0 and -1 for the rest; how many were chosen)."""
+    """The local experts some token chose, from the routing table: (rank (2 BLOCK_E,) int32,
+    indexed by local expert: each chosen expert's place in expert order from 0, -1 for the
+    rest and for the bins past E; how many were chosen)."""
     flat = tl.arange(0, BLOCK_IDS)  # (token, slot) pairs
     local = tl.load(ids_ptr + flat, mask=flat < B * TOP_K, other=-1) - expert_offset
     # ids of other GPUs' experts and padding count in a bin past every local one
@@ -250,9 +217,9 @@ def _nth_expert(rank, n, BLOCK_E: tl.constexpr):
 @triton.jit
 def _last_split_sum(
     acc,
-    partial_ptr,  # (tiles, K_SPLITS, BLOCK_M, BLOCK_N) fp32 workspace
-    counter_ptr,  # (tiles,) int32, zero between launches
-    tile,
+    partial_ptr,  # (tiles or items, K_SPLITS, BLOCK_M, BLOCK_N) fp32 workspace
+    counter_ptr,  # (tiles or items,) int32, zero between launches
+    tile,  # the down kernel's output tile, or the gate_up kernel's work item
     rows,
     row_mask,
     BLOCK_M: tl.constexpr,
@@ -520,23 +487,6 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []  # smaller counter buffers graphs captured earlier may hold
 
 
-def _check_act(act: torch.Tensor, batch: int, top_k: int, width: int, device: torch.device) -> None:
-    """The activation buffer the kernels index by hand: a wrong one would be written out of
-    bounds, not refused. `width`: the least intermediate size it must hold."""
-    if (
-        act.dim() != 3
-        or act.shape[:2] != (batch, top_k + 1)
-        or act.shape[2] < width
-        or act.dtype != torch.bfloat16
-        or not act.is_contiguous()
-        or act.device != device
-    ):
-        raise ValueError(
-            f"act must be contiguous bf16 ({batch}, {top_k + 1}, >= {width}) on {device}, "
-            f"not {act.dtype} {tuple(act.shape)} on {act.device}"
-        )
-
-
 def split_counters(device: torch.device, count: int) -> torch.Tensor:
     """`count` int32 counters at zero, for the split MoE kernels: kept per device and reused,
     since every launch leaves them at zero again. So one fused_moe at a time per device (the
@@ -565,27 +515,20 @@ def fused_moe(
     out: torch.Tensor,
     expert_offset: int,
     blocks: MoeBlocks,
-    act: torch.Tensor | None = None,
 ) -> None:
     """h (B, D) bf16; ids (B, top_k) int32 global; routing_weights (B, top_k) fp32;
     w13 (E, 2I, D), w2 (E, D, I), shared_gate_up (2 I_S, D), shared_down (D, I_S) bf16
     -> out (B, D) bf16: the sum over the chosen local experts of weight * SwiGLU_e(h), plus
-    SwiGLU_shared(h). act (B, top_k + 1, I) bf16, when given, already holds the shared
-    expert's activation in slot top_k (route's shared_act), so gate_up skips the shared expert
-    and shared_gate_up is not read."""
+    SwiGLU_shared(h)."""
     batch, hidden = h.shape
     experts, inter2, _ = w13.shape
     inter, shared_inter = inter2 // 2, shared_down.shape[1]
     if shared_inter > inter:  # its activations share act's rows, INTER wide
         raise ValueError(f"shared expert intermediate {shared_inter} > routed {inter}")
+    if ids.dtype != torch.int32:  # the kernels histogram the ids: tl.histogram takes int32
+        raise ValueError(f"fused_moe: expert ids must be int32, not {ids.dtype}")
     top_k = ids.shape[1]
-    shared_in_gate_up = act is None
-    if act is None:
-        act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
-    else:
-        _check_act(act, batch, top_k, inter, h.device)
-        if act.shape[2] != inter:  # the kernels' row stride
-            raise ValueError(f"act is {act.shape[2]} wide, the experts' intermediate is {inter}")
+    act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
     common = dict(
         TOP_K=top_k,
         BLOCK_K_SLOTS=triton.next_power_of_2(top_k),
@@ -597,7 +540,7 @@ def fused_moe(
         num_stages=blocks.num_stages,
     )
     # work items: the shared expert's feature blocks, then those of every chosen local expert
-    shared_items = triton.cdiv(shared_inter, blocks.gate_up_cols) if shared_in_gate_up else 0
+    shared_items = triton.cdiv(shared_inter, blocks.gate_up_cols)
     most_items = shared_items + min(batch * top_k, experts) * triton.cdiv(
         inter, blocks.gate_up_cols
     )

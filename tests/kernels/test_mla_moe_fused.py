@@ -202,32 +202,6 @@ def test_fused_layer_passes_the_harness_correctness_check(batch: int, context: i
     _assert_passes_the_harness_check(path, case, CPU)
 
 
-@pytest.mark.parametrize("batch", [2, 16])
-def test_the_shared_expert_in_either_kernel_passes_the_check(batch: int, monkeypatch) -> None:
-    """The shared expert's gate_up in the router's GEMV (the CPU default, so every layer test
-    above runs it) or as the MoE gate_up kernel's last row (the GPU default until measured):
-    both pass the harness check, and nothing before the MoE changes a bit."""
-    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
-    assert fused.layer_plan(LAYER, batch, 40, False, 0, shared_in_router=True).shared_in_router
-    weights, inputs = _setup(batch, 40, seed=batch)
-    results = {}
-    for in_router in (True, False):
-        monkeypatch.setitem(fused.shared_expert_in_router, "cpu", in_router)
-        results[in_router] = _outputs(fused.forward, weights, inputs)
-        _assert_passes_the_harness_check(path, _case(batch, 40), CPU)
-    for name in ("kv_new", "residual_out"):
-        assert torch.equal(results[True][name], results[False][name])
-    # the same fp32 math summed in another order, then one rounding of the activation
-    assert _relative(results[True]["out"], results[False]["out"]) < 1e-3
-
-
-def test_the_shared_expert_stays_in_the_moe_kernel_where_the_router_gemv_cannot_take_it() -> None:
-    """One weight per GEMV program: 48 router rows do not fill 64-column blocks."""
-    odd = dataclasses.replace(LAYER, experts_total=48)
-    assert not fused.layer_plan(odd, 2, 40, False, 0, shared_in_router=True).shared_in_router
-    assert fused.layer_plan(LAYER, 2, 40, False, 0, shared_in_router=True).shared_in_router
-
-
 def test_fused_layer_at_batch_64_is_within_the_budget() -> None:
     """The largest batch (64-row tiles everywhere), measured as check_case measures it, with one
     candidate run (the interpreter is slow at this size)."""
@@ -394,19 +368,6 @@ def test_splitk_gemv_partials_sum_to_the_product(rows: int, n: int, k: int) -> N
     torch.testing.assert_close(parts.double().sum(0), expected, rtol=1e-5, atol=1e-4)
 
 
-def test_splitk_gemv_over_two_weights_is_the_gemv_over_them_stacked() -> None:
-    """The router's GEMV with the shared expert's [gate; up] rows after its own."""
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(5, 320, generator=gen).to(BF16)
-    first, second = (torch.randn(n, 320, generator=gen).to(BF16) for n in (128, 96))
-    blocks = gemv_blocks(5, 224, 320, on_gpu=False, sm_count=0)
-    parts = splitk_gemv(x, first, blocks, second)
-    expected = x.double() @ torch.cat([first, second]).double().T
-    torch.testing.assert_close(parts.double().sum(0), expected, rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        splitk_gemv(x, first[:100], blocks, second)  # a program would straddle both weights
-
-
 # One rounding of an fp32 result is at most half a bf16 spacing from the exact value (the
 # ROUNDING rule in triton_common.py); a second rounding on the way would reach about one. The
 # exact values: stock._rms_norm on float64 inputs, which rounds nothing.
@@ -529,28 +490,6 @@ def test_routing_picks_the_biased_top_k_and_weighs_by_the_unbiased_scores() -> N
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("shared", [32, 48])  # 48: not a power of two, masked
-def test_routing_also_writes_the_shared_activation_when_the_router_gemv_computed_it(
-    shared: int,
-) -> None:
-    c, gen = LAYER, torch.Generator().manual_seed(6)
-    parts = torch.randn(3, 20, c.experts_total + 2 * shared, generator=gen)
-    bias = torch.randn(c.experts_total, generator=gen) * 0.5
-    act = torch.full((20, c.top_k + 1, c.moe_intermediate), float("nan"), dtype=BF16)
-    scaling = c.routed_scaling_factor
-    ids, weights = route(parts, bias, c.top_k, c.norm_topk_prob, scaling, act)
-    router_only = parts[..., : c.experts_total].contiguous()
-    plain_ids, plain_weights = route(router_only, bias, c.top_k, c.norm_topk_prob, scaling)
-    assert torch.equal(ids, plain_ids) and torch.equal(weights, plain_weights)
-    gate, up = parts.double().sum(0)[:, c.experts_total :].chunk(2, -1)
-    expected = gate * torch.sigmoid(gate) * up
-    assert _bf16_ulps(act[:, c.top_k, :shared], expected) <= ONE_ROUNDING
-    assert act[:, : c.top_k].isnan().all()  # the routed slots are gate_up's to write
-    assert act[:, c.top_k, shared:].isnan().all()
-    with pytest.raises(ValueError, match="act must be"):
-        route(parts, bias, c.top_k, c.norm_topk_prob, scaling, act[:, :, :16])
-
-
 @pytest.mark.parametrize(("programs", "cols"), [(0, 64), (3, 64), (0, 16)])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("batch", [1, 3, 64])
@@ -604,27 +543,17 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
         assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize("batch", [1, 64])
-def test_fused_moe_given_the_shared_activation_never_reads_the_shared_gate_up(batch: int) -> None:
-    """The routing kernel has written the shared expert's activation (route's shared_act): the
-    gate_up kernel must make no shared items. Its weights are NaN here, so reading them shows."""
-    c, gen = LAYER, torch.Generator().manual_seed(batch + 100)
-    h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
+def test_fused_moe_refuses_expert_ids_that_are_not_int32() -> None:
+    """The kernels build their work list with tl.histogram, which takes 32-bit ints only: int64
+    ids (torch's own index type) are refused on the host, not misread on the device."""
+    c, gen = LAYER, torch.Generator().manual_seed(5)
+    h = torch.randn(2, c.hidden, generator=gen).to(BF16)
     w = _expert_weights(c, gen)
     ids = torch.stack([torch.randperm(c.experts_total, generator=gen)[: c.top_k] for _ in h])
-    routing = torch.rand(batch, c.top_k, generator=gen) + 0.1
-    local = ids - c.expert_offset
-    expected = torch.stack([_moe_reference(c, w, h[b], local[b], routing[b]) for b in range(batch)])
-    gate, up = (h.double() @ w["shared_gate_up"].double().T).chunk(2, -1)
-    act = torch.full((batch, c.top_k + 1, c.moe_intermediate), float("nan"), dtype=BF16)
-    act[:, c.top_k, : c.shared_intermediate] = (gate * torch.sigmoid(gate) * up).to(BF16)
-    w["shared_gate_up"].fill_(float("nan"))
-    out = torch.empty_like(h)
-    blocks = MoeBlocks(16 if batch <= 16 else 64, 64, 128, 128, 64, 4, 1)
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
-    fused_moe(h, ids.int(), routing, *experts, out, c.expert_offset, blocks, act)
-    assert out.isfinite().all()
-    assert _relative(out, expected) <= 1.2 * _relative(expected.to(BF16), expected)
+    blocks = MoeBlocks(16, 64, 128, 128, 64, 4, 1)
+    with pytest.raises(ValueError, match=r"must be int32, not torch\.int64"):
+        fused_moe(h, ids, torch.rand(2, c.top_k), *experts, torch.empty_like(h), 0, blocks)
 
 
 def _expert_weights(c: LayerConfig, gen: torch.Generator) -> Tensors:
@@ -679,19 +608,6 @@ def test_real_shard_passes_the_harness_check_on_the_gpu(batch: int, context: int
     assert fused.supports(case)
     _assert_passes_the_harness_check(path, case, torch.device("cuda"))
     torch.cuda.empty_cache()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 8, 64])
-def test_real_shard_with_the_shared_expert_in_the_router_on_the_gpu(
-    batch: int, monkeypatch
-) -> None:
-    """The GPU default keeps the shared expert in the MoE kernel until measured; this runs the
-    other way through the same check (CPU tests run it by default)."""
-    monkeypatch.setitem(fused.shared_expert_in_router, "cuda", True)
-    real = LayerConfig.from_model_config(dict(load_manifest_file(SCOPE).model.config))
-    assert fused.layer_plan(real, batch, 1024, True, 132, shared_in_router=True).shared_in_router
-    test_real_shard_passes_the_harness_check_on_the_gpu(batch, 1024)
 
 
 @pytest.mark.gpu

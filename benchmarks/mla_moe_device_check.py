@@ -627,8 +627,12 @@ ATTENTION_VARIANTS = [
 # Above batch 8 (not swept before 2026-12-03's sixth session): more programs per SM, so that
 # the last wave of (token, split) programs is a small part of the launch (batch 64 x 32768 ran
 # 320 programs on 132 SMs at 2.4-2.6 TB/s), and the small-batch plan's 64-token tiles.
+# The plan since then (16 splits of at least 4 tiles, fused._attention_blocks) is not of this
+# form; the first two come closest at batch 16 and 64 (17 splits where it takes 16).
 ATTENTION_VARIANTS_LARGE = [
-    (32, 2, 2, 4, 2, 128, 32),  # the plan above batch 8
+    (32, 2, 4, 4, 3, 128, 32),
+    (32, 8, 4, 4, 3, 128, 32),
+    (32, 2, 2, 4, 2, 128, 32),  # the plan above batch 8 before
     (64, 1, 1, 4, 3, 32, 128),  # the plan at batch <= 8
     (64, 2, 1, 4, 3, 128, 32),
     (64, 4, 1, 4, 3, 128, 32),

@@ -241,19 +241,20 @@ def _attention_blocks(
     block_h = max(16, triton.next_power_of_2(c.heads))
     context = max(context, 1)  # a decode-CP rank's empty slice: one split that holds no token
     if on_gpu:
-        # Split the context until every SM has `per_sm` (token, split) programs, but keep at
-        # least `least_tiles` tiles per split; the combine then reads splits x 2 KB per head.
-        # (block_t, per_sm, least_tiles, stages, combine_cols, combine_splits). At batch <= 8
-        # from `--sweep-attention` on the H200, 2026-12-03 (docs/mla_moe_notes.md): 64-token
-        # tiles, 3 stages, about one program per SM, and a combine of 32 columns that takes up
-        # to 128 splits per step: split + combine in 7.9 / 10.7 / 18.5 µs at batch 1 and contexts
-        # 1k / 8k / 32k (the other plan: 8.6 / 16.6 / 34.9), 11.5 / 29.6 / 93.3 at batch 8
-        # (11.9 / 34.0 / 100.4). Larger batches were not swept and keep the earlier plan.
-        tiles = (64, 1, 1, 3, 32, 128) if batch <= 8 else (32, 2, 2, 2, 128, 32)
-        block_t, per_sm, least_tiles, stages, combine_cols, combine_splits = tiles
-        splits = min(
-            triton.cdiv(per_sm * sm_count, batch), triton.cdiv(context, least_tiles * block_t)
-        )
+        # From the H200 sweeps of 2026-12-03 (`--sweep-attention`, docs/mla_moe_notes.md).
+        # Batch <= 8: 64-token tiles, 3 stages, about one (token, split) program per SM, and a
+        # combine of 32 columns that takes up to 128 splits per step: split + combine in 7.9 /
+        # 10.7 / 18.5 µs at batch 1 and contexts 1k / 8k / 32k, 11.5 / 29.6 / 93.3 at batch 8.
+        # Batch > 8: 32-token tiles, 3 stages, about 16 splits per token of at least 4 tiles
+        # each: the program count then grows with the batch (256 at 16, 1024 at 64), so the
+        # last wave is a small part of the launch. At batch 64 x 32768: 671 µs (3.6 TB/s)
+        # against 939 for the earlier rule (two programs per SM: 5 splits, 320 programs).
+        if batch <= 8:
+            block_t, stages, combine_cols, combine_splits = 64, 3, 32, 128
+            splits = min(triton.cdiv(sm_count, batch), triton.cdiv(context, block_t))
+        else:
+            block_t, stages, combine_cols, combine_splits = 32, 3, 128, 32
+            splits = min(16, triton.cdiv(context, 4 * block_t))
         tokens = triton.cdiv(triton.cdiv(context, splits), block_t) * block_t
         return AttentionBlocks(
             block_m, block_h, block_t, triton.cdiv(context, tokens), tokens,

@@ -39,7 +39,7 @@ def test_attention_sweep_checks_every_variant_against_the_reference(tmp_path: Pa
     rows = json.loads(out.read_text())["kernels"]
     # batch 1 and 9 (past 8: the large-batch variants), two variants each on the CPU
     assert [r["batch"] for r in rows] == [1, 1, 9, 9]
-    assert "(32, 2, 2, 4, 2, 128, 32)" in rows[2]["note"]
+    assert "(32, 2, 4, 4, 3, 128, 32)" in rows[2]["note"]
     for row in rows:
         assert row["error"] is None, row
         assert row["relative_error"] < 1e-2 and "variant" in row["note"]

@@ -442,7 +442,7 @@ def test_q_absorb_builds_the_latent_query() -> None:
 
 
 @pytest.mark.parametrize("gpu_plan", [False, True])
-@pytest.mark.parametrize(("batch", "context"), [(1, 1), (3, 70), (2, 256), (8, 200)])
+@pytest.mark.parametrize(("batch", "context"), [(1, 1), (3, 70), (2, 256), (8, 200), (12, 300)])
 def test_split_kv_attention_matches_the_latent_softmax(
     batch: int, context: int, gpu_plan: bool
 ) -> None:
@@ -455,8 +455,10 @@ def test_split_kv_attention_matches_the_latent_softmax(
     cache = torch.randn(batch, context, width, generator=gen).to(BF16)
     kv_new = torch.randn(batch, width, generator=gen).to(BF16)
     plan = fused.layer_plan(LAYER, batch, context, on_gpu=gpu_plan, sm_count=132).attention
-    # the CPU plan: two splits; the H200's at these short contexts: one 64-token tile each
-    assert plan.splits == (triton.cdiv(context, 64) if gpu_plan else min(2, context))
+    # the CPU plan: two splits; the H200's at these short contexts: one 64-token tile each up
+    # to batch 8, four 32-token tiles above it
+    h200_splits = triton.cdiv(context, 64 if batch <= 8 else 128)
+    assert plan.splits == (h200_splits if gpu_plan else min(2, context))
     o_lat = torch.empty(batch, c.heads, c.kv_lora_rank, dtype=BF16)
     scale = c.qk_head_dim**-0.5
     mla_attention(q_lat, cache, kv_new, o_lat, scale, plan)

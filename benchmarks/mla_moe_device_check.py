@@ -27,6 +27,8 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
     python3 benchmarks/mla_moe_device_check.py --sweep-attention  # instead of parts 1 and 2:
         the split-KV attention + combine alone at batch 1 and 8 in each ATTENTION_VARIANTS tiling
         (--batches 16 64: above batch 8, each ATTENTION_VARIANTS_LARGE tiling)
+    python3 benchmarks/mla_moe_device_check.py --sweep-router   # instead of parts 1 and 2:
+        the router GEMV + routing at batch 1, 8, 64 in each ROUTER_VARIANTS tiling
     python3 benchmarks/mla_moe_device_check.py --sweep-pdl      # instead of parts 1 and 2:
         the fused layer in each programmatic dependent launch mode
         (triton_common.dependent_launch), each against "off" in alternating replays, and
@@ -74,7 +76,7 @@ from kernels.mla_moe_decode.triton_attention import (
     q_absorb,
     w_uv,
 )
-from kernels.mla_moe_decode.triton_gemv import gemv_blocks, splitk_gemv
+from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, route
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm
 
@@ -689,6 +691,75 @@ def sweep_attention(
     return rows
 
 
+# --sweep-router: the router GEMV's tiles and K splits, timed together with the routing kernel
+# that adds its partial sums. At batch 1 the plan splits K 28 ways (6 column blocks of 64 rows
+# need that many programs to stream the 5.5 MB weight), and routing then waits 28 partials
+# in groups of 4 (5.8 µs alone, docs/mla_moe_notes.md): narrower column blocks give the same
+# programs with fewer splits.
+
+# (rows per column block, K per step, K splits wanted, warps, stages); block_m follows the
+# batch. None: the plan's tiles.
+ROUTER_VARIANTS = [
+    None,
+    (64, 128, 14, 4, 4),
+    (32, 128, 14, 4, 4),
+    (32, 128, 8, 4, 4),
+    (16, 128, 8, 4, 4),
+    (16, 128, 4, 4, 4),
+    (16, 256, 4, 4, 3),
+    (32, 256, 7, 4, 3),
+]
+
+
+def _check_router(
+    c: LayerConfig,
+    w: Tensors,
+    batch: int,
+    gen: torch.Generator,
+    t: Target,
+    variant: tuple[int, ...] | None = None,
+) -> KernelCheck:
+    weight, bias = w["gate"], w["e_score_correction_bias"]
+    n, k = weight.shape
+    blocks = _plan(c, batch, 1024, t).router
+    if variant is not None:
+        block_n, block_k, wanted, warps, stages = variant
+        k_per_split, splits = triton_common.k_splits(k, wanted, block_k)
+        blocks = GemvBlocks(blocks.block_m, block_n, block_k, k_per_split, splits, warps, stages)
+    x = _randn((batch, k), gen, t)
+    result: Tensors = {}
+
+    def run(s: Tensors) -> None:
+        parts = splitk_gemv(x, s["weight"], blocks)
+        ids, weights = route(parts, bias, c.top_k, c.norm_topk_prob, c.routed_scaling_factor)
+        result.update(parts=parts, ids=ids, weights=weights)
+
+    def errors() -> tuple[float, float]:
+        # torch's selection from the same partial sums (added in its own order: a near-tie
+        # could still flip, and would show here as a large error)
+        expected_weights, _ = stock._select_experts(c, result["parts"].sum(0), bias)
+        return _errors(result["weights"], expected_weights)
+
+    note = f"{triton.cdiv(n, blocks.block_n)} column blocks x {blocks.splits} K splits"
+    moved = weight.nbytes + 2 * blocks.splits * batch * n * 4  # the partials, written and read
+    name = "router GEMV + routing (2 kernels)"
+    return KernelCheck(name, "Triton", run, {"weight": weight}, moved, errors, note)
+
+
+def sweep_router(problem: Problem, batches: list[int], t: Target) -> list[KernelRow]:
+    weights = problem.make_weights(_case(1, 1024, t), 0, t.device)
+    rows = []
+    for batch in batches:
+        for variant in ROUTER_VARIANTS if t.on_gpu else ROUTER_VARIANTS[:2]:
+            gen = torch.Generator(device=t.device).manual_seed(batch)
+            build = partial(_check_router, variant=variant)
+            row = _soft_kernel(build, problem.config, weights, batch, gen, t)
+            row.note = f"variant {variant or 'plan'}; {row.note}"
+            rows.append(row)
+            _print_kernel_row(row)
+    return rows
+
+
 # Part 2: the layer.
 
 
@@ -1104,6 +1175,10 @@ def main() -> None:
         print("== MoE tiles", flush=True)
         kernel_rows = sweep_moe(problem, batches, t)
         args.only_kernels = True
+    elif args.sweep_router:
+        print("== router GEMV + routing", flush=True)
+        kernel_rows = sweep_router(problem, args.batches or [1, 8, 64], t)
+        args.only_kernels = True
     elif args.sweep_attention:
         print("== split-KV attention", flush=True)
         small_batches = args.batches or ([1, 8] if t.on_gpu else [1, 2])
@@ -1158,10 +1233,16 @@ def _parse_args() -> argparse.Namespace:
         help="instead of parts 1 and 2: the split-KV attention's splits and tiles, batch 1 and 8",
     )
     parser.add_argument(
+        "--sweep-router",
+        action="store_true",
+        help="instead of parts 1 and 2: the router GEMV's tiles and K splits with the routing",
+    )
+    parser.add_argument(
         "--batches",
         type=int,
         nargs="+",
-        help="the batches of --sweep-attention and --profile-fused (default 1 8, and 1 4 8)",
+        help="the batches of the sweeps and --profile-fused (default 1 8 for the attention, "
+        "1 8 64 for the router, 1 4 8 for the profile)",
     )
     parser.add_argument(
         "--sweep-pdl",

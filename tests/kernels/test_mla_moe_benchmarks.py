@@ -45,6 +45,18 @@ def test_attention_sweep_checks_every_variant_against_the_reference(tmp_path: Pa
         assert row["relative_error"] < 1e-2 and "variant" in row["note"]
 
 
+def test_router_sweep_checks_each_variant_against_torchs_selection(tmp_path: Path) -> None:
+    out = tmp_path / "router.json"
+    args = ("--small", "--sweep-router", "--batches", "3", "--out", str(out))
+    _run("mla_moe_device_check.py", *args)
+    rows = json.loads(out.read_text())["kernels"]
+    variants = [r["note"].split(";")[0] for r in rows]
+    assert variants == ["variant plan", "variant (64, 128, 14, 4, 4)"]
+    for row in rows:
+        assert row["error"] is None, row
+        assert row["relative_error"] < 1e-5 and "K splits" in row["note"]
+
+
 def test_trial_probe_replays_a_trial_and_reports_every_token(tmp_path: Path) -> None:
     out = tmp_path / "probe.json"
     args = ("--small", "--batch", "3", "--context", "40", "--seed", "5", "--out", str(out))

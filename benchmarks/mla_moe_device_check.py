@@ -609,7 +609,7 @@ def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow
 
 # (cached tokens per tile, (token, split) programs per SM, least tiles per split, warps,
 # stages, latent columns per combine program, splits per combine step); the first is the plan
-# at batch <= 8 since the 2026-12-03 sweep, the second the plan before (still used above 8)
+# at batch <= 8 since the 2026-12-03 sweep, the second the plan above 8 until the next sweep
 ATTENTION_VARIANTS = [
     (64, 1, 1, 4, 3, 32, 128),
     (32, 2, 2, 4, 2, 128, 32),
@@ -1230,7 +1230,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--sweep-attention",
         action="store_true",
-        help="instead of parts 1 and 2: the split-KV attention's splits and tiles, batch 1 and 8",
+        help="instead of parts 1 and 2: the split-KV attention's splits and tiles (--batches)",
     )
     parser.add_argument(
         "--sweep-router",
@@ -1241,8 +1241,8 @@ def _parse_args() -> argparse.Namespace:
         "--batches",
         type=int,
         nargs="+",
-        help="the batches of the sweeps and --profile-fused (default 1 8 for the attention, "
-        "1 8 64 for the router, 1 4 8 for the profile)",
+        help="the batches of --sweep-attention, --sweep-router and --profile-fused (on the GPU "
+        "by default 1 8, 1 8 64 and 1 4 8; the other runs ignore it)",
     )
     parser.add_argument(
         "--sweep-pdl",

@@ -15,7 +15,7 @@ logits, the same routing rule), in 14 kernels per layer where the stock path run
     10  post-attention residual add + RMSNorm (o_proj splits) Triton     triton_norm
     11  router GEMV (fp32 logits), split-K                    Triton     triton_gemv
     12  routing: sigmoid, biased top-k, weights               Triton     triton_moe
-    13  experts gate_up + SiLU*mul, active experts only       Triton     triton_moe
+    13  experts gate_up + SiLU*mul, active + shared experts   Triton     triton_moe
     14  experts down + routing weights + shared expert sum    Triton     triton_moe
 
 Every weight byte is read once (the experts only where some token chose them, decided on the
@@ -245,10 +245,12 @@ def _attention_blocks(
         # Batch <= 8: 64-token tiles, 3 stages, about one (token, split) program per SM, and a
         # combine of 32 columns that takes up to 128 splits per step: split + combine in 7.9 /
         # 10.7 / 18.5 µs at batch 1 and contexts 1k / 8k / 32k, 11.5 / 29.6 / 93.3 at batch 8.
-        # Batch > 8: 32-token tiles, 3 stages, about 16 splits per token of at least 4 tiles
-        # each: the program count then grows with the batch (256 at 16, 1024 at 64), so the
-        # last wave is a small part of the launch. At batch 64 x 32768: 671 µs (3.6 TB/s)
-        # against 939 for the earlier rule (two programs per SM: 5 splits, 320 programs).
+        # Batch > 8: 32-token tiles, 3 stages, min(16, context / 128) splits per token (rounded
+        # up, so a short context's splits may hold fewer than 4 tiles): from about 2k tokens
+        # the program count grows with the batch (256 at 16, 1024 at 64), so the last wave is a
+        # small part of the launch. The sweep's nearest variant (17 splits of 1952 tokens) took
+        # 671 µs at batch 64 x 32768 (3.6 TB/s) against 939 for the earlier rule (two programs
+        # per SM: 5 splits, 320 programs); run 6 of the validate timed this plan in the layer.
         if batch <= 8:
             block_t, stages, combine_cols, combine_splits = 64, 3, 32, 128
             splits = min(triton.cdiv(sm_count, batch), triton.cdiv(context, block_t))

@@ -525,7 +525,9 @@ def fused_moe(
     inter, shared_inter = inter2 // 2, shared_down.shape[1]
     if shared_inter > inter:  # its activations share act's rows, INTER wide
         raise ValueError(f"shared expert intermediate {shared_inter} > routed {inter}")
-    if ids.dtype != torch.int32:  # the kernels histogram the ids: tl.histogram takes int32
+    # the kernels histogram the ids, and tl.histogram takes int32 only: say so here, rather than
+    # as a compile error inside the kernel
+    if ids.dtype != torch.int32:
         raise ValueError(f"fused_moe: expert ids must be int32, not {ids.dtype}")
     top_k = ids.shape[1]
     act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)

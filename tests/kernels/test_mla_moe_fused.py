@@ -547,7 +547,8 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
 
 def test_fused_moe_refuses_expert_ids_that_are_not_int32() -> None:
     """The kernels build their work list with tl.histogram, which takes 32-bit ints only: int64
-    ids (torch's own index type) are refused on the host, not misread on the device."""
+    ids (torch's own index type) are refused on the host with a plain message, before Triton
+    would fail to compile the kernel."""
     c, gen = LAYER, torch.Generator().manual_seed(5)
     h = torch.randn(2, c.hidden, generator=gen).to(BF16)
     w = _expert_weights(c, gen)

@@ -7,9 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 -e .
-# torch 2.13's profiler (it counts each case's kernels) otherwise prints two "USDT:" lines per
-# case; level 6 silences its log (set KINETO_LOG_LEVEL yourself to see it).
-export KINETO_LOG_LEVEL="${KINETO_LOG_LEVEL:-6}"
 status=0
 .venv/bin/pathgate validate scopes/fused-add-rmsnorm-h200.yaml --quick "$@" || status=$?
 if [ "$status" -eq 3 ]; then

@@ -6,6 +6,7 @@ did not see (a side stream) or idle time inside the step.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,10 @@ def _profile_cuda(step: Callable[[], None], layers: int) -> KernelProfile:
 
 
 def _profile_cpu(step: Callable[[], None], layers: int) -> KernelProfile:
+    # torch 2.13's kineto prints two "USDT:" lines per profile at its default log level, into
+    # the progress output; on the CPU the profile only counts ops, so its log is noise. Kineto
+    # reads the level when the process first profiles; a level set by the user stays.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     top_level = [e for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]

@@ -159,6 +159,11 @@ def latent_prep(
 
 # q_b partial sums -> absorbed, roped query
 
+# Tokens per q_absorb program: the MMA's least. With the whole batch in one program, batch 64
+# held 64 x 128 fp32 of q_nope per q_b split (the splits are summed unrolled) and the kernel
+# took 46 µs on the H200 against 4.7 at batch 1 (docs/mla_moe_notes.md, ninth session).
+ABSORB_ROWS = 16
+
 
 @triton.jit
 def _q_absorb_kernel(
@@ -185,7 +190,7 @@ def _q_absorb_kernel(
     wait_for_previous_kernel(PDL)
     head = tl.program_id(0)
     col_block = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < B
     q_row = rows[:, None] * (H * (NOPE + R)) + head * (NOPE + R)  # (BLOCK_M, 1)
     ns = tl.arange(0, BLOCK_NOPE)
@@ -231,7 +236,7 @@ def q_absorb(
     _, heads, width = q_lat.shape
     lora = kv_b_proj.shape[1]
     rope = width - lora
-    grid = (heads, triton.cdiv(lora, blocks.absorb_cols))
+    grid = (heads, triton.cdiv(lora, blocks.absorb_cols), triton.cdiv(batch, ABSORB_ROWS))
     _q_absorb_kernel[grid](
         parts,
         kv_b_proj,
@@ -246,7 +251,7 @@ def q_absorb(
         rope,
         v_dim,
         lora,
-        BLOCK_M=blocks.block_m,
+        BLOCK_M=ABSORB_ROWS,
         BLOCK_NOPE=triton.next_power_of_2(nope),
         BLOCK_L=blocks.absorb_cols,
         BLOCK_HALF_R=triton.next_power_of_2(rope // 2),

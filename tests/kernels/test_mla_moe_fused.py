@@ -422,9 +422,10 @@ def _rope_f64(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.T
     return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
 
 
-def test_q_absorb_builds_the_latent_query() -> None:
+@pytest.mark.parametrize("batch", [5, 37])  # one block of 16 tokens, and three (one partial)
+def test_q_absorb_builds_the_latent_query(batch: int) -> None:
     c, gen = LAYER, torch.Generator().manual_seed(2)
-    batch, heads, nope, rope, lora = 5, c.heads, c.qk_nope_head_dim, 16, c.kv_lora_rank
+    heads, nope, rope, lora = c.heads, c.qk_nope_head_dim, 16, c.kv_lora_rank
     parts = torch.randn(2, batch, heads * (nope + rope), generator=gen)
     kv_b = (torch.randn(heads * (nope + c.v_head_dim), lora, generator=gen) / 8).to(BF16)
     positions = torch.randint(0, 33000, (batch,), generator=gen)

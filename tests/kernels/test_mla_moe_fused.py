@@ -442,6 +442,16 @@ def test_q_absorb_builds_the_latent_query(batch: int) -> None:
     assert _bf16_ulps(q_lat[..., lora:], q_pe_expected) <= ONE_ROUNDING
 
 
+@pytest.mark.parametrize("context", [1024, 16384, 20335, 23769, 32768])
+def test_h200_attention_up_to_batch_8_runs_in_one_wave(context: int) -> None:
+    """One (token, split) program per SM at most: a batch that does not divide the SM count
+    must round its splits down (batch 8 had 17 splits, 136 programs for 132 SMs, at the
+    H200's off-grid contexts)."""
+    for batch in range(1, 9):
+        plan = fused.layer_plan(LAYER, batch, context, on_gpu=True, sm_count=132).attention
+        assert batch * plan.splits <= 132
+
+
 @pytest.mark.parametrize("gpu_plan", [False, True])
 @pytest.mark.parametrize(("batch", "context"), [(1, 1), (3, 70), (2, 256), (8, 200), (12, 300)])
 def test_split_kv_attention_matches_the_latent_softmax(

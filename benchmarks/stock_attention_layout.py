@@ -1,8 +1,8 @@
-"""The stock layer's latent attention, compiled, at aligned and odd contexts: its tokens-major
-layout (`stock._latent_attention`, scores (B, T, H)) against the heads-major one it replaced
-(scores (B, H, T), kept here as `heads_major`), so that the baseline has no cliff at a context
-that is not a multiple of 8 (run 7 of the validate: compiled stock 1079 µs per layer at
-8 x 20335, 436 at 8 x 16384). Prints a table; writes JSON.
+"""The stock layer's two latent-attention layouts, compiled, at aligned and odd contexts: scores
+tokens-major (B, T, H) and heads-major (B, H, T). `stock._latent_attention` takes heads-major
+where the context is a multiple of 8 and tokens-major elsewhere, so that the baseline has no
+cliff at an odd context (run 7 of the validate: compiled stock 1079 µs per layer at 8 x 20335,
+436 at 8 x 16384). Prints a table; writes JSON.
 
     python3 benchmarks/stock_attention_layout.py            # H200: about 30 s
     python3 benchmarks/stock_attention_layout.py --small    # CPU smoke run
@@ -26,17 +26,6 @@ from kernels.mla_moe_decode import stock
 HEADS, LORA, ROPE = 8, 512, 64  # the Kimi-K2 TP8 shard's attention
 SCALE = 192**-0.5
 REPLAYS = 20
-
-
-def heads_major(q_latent, kv_cache, kv_new, lora, scale):  # type: ignore[no-untyped-def]
-    """The layout before the ninth session: scores (B, H, T)."""
-    context = kv_cache.shape[1]
-    scores_cache = stock._bmm_fp32(q_latent, kv_cache.transpose(1, 2))
-    scores_new = stock._bmm_fp32(q_latent, kv_new[:, :, None])
-    probs = torch.softmax(torch.cat([scores_cache, scores_new], -1) * scale, -1)
-    o = stock._bmm_fp32(probs[..., :context].to(q_latent.dtype), kv_cache[..., :lora])
-    o = o + probs[..., context:] * kv_new[:, None, :lora]
-    return o.to(q_latent.dtype)
 
 
 def _inputs(batch: int, context: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -83,8 +72,8 @@ def main() -> None:
     device = "cuda" if on_gpu else "cpu"
     torch._dynamo.config.recompile_limit = stock.RECOMPILE_LIMIT
     layouts = {
-        "tokens-major (stock now)": torch.compile(stock._latent_attention, dynamic=False),
-        "heads-major (before)": torch.compile(heads_major, dynamic=False),
+        "tokens-major": torch.compile(stock._attention_tokens_major, dynamic=False),
+        "heads-major": torch.compile(stock._attention_heads_major, dynamic=False),
     }
     batches, contexts = ([8, 64], [16384, 16385, 20335, 20336, 32768]) if on_gpu else ([2], [33])
     rows = []

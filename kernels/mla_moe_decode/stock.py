@@ -169,16 +169,38 @@ def _latent_attention(
 ) -> torch.Tensor:
     """All heads attend to one latent sequence (MQA): the T cached tokens and the new one. The
     latent part of each token is also its value. Returns (B, H, L)."""
+    # cuBLAS needs rows of 16 bytes' multiple for its fast kernels. Heads-major scores (B, H, T)
+    # have rows T long: at an odd context the compiled stock took 1079 µs per layer at 8 x 20335
+    # against 436 at 8 x 16384 (run 7), a cliff vLLM's paged FlashMLA does not have. Tokens-major
+    # (B, T, H) rows are H long whatever T is, but 12-19% slower at batch 8 when T is aligned
+    # (benchmarks/stock_attention_layout.py): each context takes the faster layout.
+    if kv_cache.shape[1] % 8 == 0:
+        return _attention_heads_major(q_latent, kv_cache, kv_new, lora, scale)
+    return _attention_tokens_major(q_latent, kv_cache, kv_new, lora, scale)
+
+
+def _attention_heads_major(
+    q_latent: torch.Tensor, kv_cache: torch.Tensor, kv_new: torch.Tensor, lora: int, scale: float
+) -> torch.Tensor:
     context = kv_cache.shape[1]
-    # Scores and probabilities are laid out tokens-major, (B, T, H): every GEMM operand's row
-    # stride is then H or L+R, whatever T is. Heads-major (B, H, T) rows are T long, and at an
-    # odd context cuBLAS loses its 16-byte-aligned kernels: run 7 timed the compiled stock at
-    # 8 x 20335 at 1079 µs against 436 at 8 x 16384. vLLM's paged FlashMLA has no such cliff.
+    scores_cache = _bmm_fp32(q_latent, kv_cache.transpose(1, 2))  # (B, H, T)
+    scores_new = _bmm_fp32(q_latent, kv_new[:, :, None])  # (B, H, 1)
+    probs = torch.softmax(torch.cat([scores_cache, scores_new], -1) * scale, -1)  # (B, H, T+1)
+    # FlashMLA multiplies bf16 probabilities with the bf16 cache, accumulating in fp32
+    o = _bmm_fp32(probs[..., :context].to(q_latent.dtype), kv_cache[..., :lora])  # (B, H, L)
+    o = o + probs[..., context:] * kv_new[:, None, :lora]
+    return o.to(q_latent.dtype)
+
+
+def _attention_tokens_major(
+    q_latent: torch.Tensor, kv_cache: torch.Tensor, kv_new: torch.Tensor, lora: int, scale: float
+) -> torch.Tensor:
+    """The same math as _attention_heads_major, scores and probabilities (B, T, H)."""
+    context = kv_cache.shape[1]
     q_t = q_latent.transpose(1, 2)  # (B, L+R, H), a view
     scores_cache = _bmm_fp32(kv_cache, q_t)  # (B, T, H)
     scores_new = _bmm_fp32(kv_new[:, None, :], q_t)  # (B, 1, H)
     probs = torch.softmax(torch.cat([scores_cache, scores_new], 1) * scale, 1)  # (B, T+1, H)
-    # FlashMLA multiplies bf16 probabilities with the bf16 cache, accumulating in fp32
     cached = probs[:, :context].to(q_latent.dtype)  # (B, T, H)
     o = _bmm_fp32(kv_cache[..., :lora].transpose(1, 2), cached)  # (B, L, H)
     o = o + kv_new[:, :lora, None] * probs[:, context:]

@@ -416,3 +416,36 @@ def test_ambiguous_rows_cover_the_tokens_a_tiny_perturbation_reroutes() -> None:
     rerouted = [i for i in range(64) if local(ids[i]) != local(nudged_ids[i])]
     assert rerouted  # the nudge does move some tokens to other local experts
     assert all(bool(flagged[i]) for i in rerouted), (rerouted, flagged.nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("context", [16, 21, 22])  # aligned, odd, even but not a multiple of 8
+def test_both_stock_attention_layouts_compute_the_same_attention(
+    context: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stock._latent_attention takes heads-major scores where the context is a multiple of 8 and
+    tokens-major elsewhere (cuBLAS's aligned kernels): the same attention either way, both
+    against float64 math, and the layout picked is the one for that context."""
+    gen = torch.Generator().manual_seed(context)
+    batch, heads, lora, rope = 3, 4, 32, 16
+    q = torch.randn(batch, heads, lora + rope, generator=gen).to(torch.bfloat16)
+    cache = torch.randn(batch, context, lora + rope, generator=gen).to(torch.bfloat16)
+    new = torch.randn(batch, lora + rope, generator=gen).to(torch.bfloat16)
+    scale = 0.1
+    keys = torch.cat([cache, new[:, None]], 1).double()  # (B, T+1, L+R)
+    probs = torch.softmax(torch.einsum("bhd,btd->bht", q.double(), keys) * scale, -1)
+    expected = torch.einsum("bht,btl->bhl", probs, keys[..., :lora])
+    outs = {}
+    for layout in ("heads_major", "tokens_major"):
+        outs[layout] = getattr(stock, f"_attention_{layout}")(q, cache, new, lora, scale)
+        # one bf16 rounding of probabilities and of the output: a few bf16 spacings at most
+        assert (outs[layout].double() - expected).abs().max() < 0.05
+    assert (outs["heads_major"].float() - outs["tokens_major"].float()).abs().max() < 0.05
+    picked = "heads_major" if context % 8 == 0 else "tokens_major"
+    calls: list[str] = []
+    for layout in ("heads_major", "tokens_major"):
+        original = getattr(stock, f"_attention_{layout}")
+        monkeypatch.setattr(
+            stock, f"_attention_{layout}", lambda *a, n=layout, f=original: calls.append(n) or f(*a)
+        )
+    stock._latent_attention(q, cache, new, lora, scale)
+    assert calls == [picked]

@@ -10,6 +10,8 @@ import yaml
 from typer.testing import CliRunner
 
 from harness.cli import app
+from harness.evaluation.checkpoint import code_digest
+from harness.evaluation.environment import REPO_ROOT
 from harness.evaluation.evidence import SCHEMA_VERSION, Evidence
 from scopes.manifest import load_manifest_file
 
@@ -55,6 +57,9 @@ def test_pass_exits_0_with_evidence_and_report(tmp_path: Path) -> None:
     assert report.startswith("# pathgate: fused-add-rmsnorm-h200: **PASS**")
     assert evidence["run"]["command"] in report
     assert "--seed" in evidence["run"]["command"]
+    # the tree that ran, pinned even where the git SHA is "-dirty" or stale
+    assert evidence["run"]["code_digest"] == code_digest(REPO_ROOT)
+    assert f"| code digest | {evidence['run']['code_digest']} |" in report
 
 
 def test_claims_not_measurable_on_cpu_exit_3(tmp_path: Path) -> None:

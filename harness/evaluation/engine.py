@@ -107,13 +107,14 @@ def evaluate(
     manifest: ScopeManifest, options: EngineOptions, progress: ProgressFn | None = None
 ) -> Evidence:
     started_at = _now()
+    code_digest = checkpoints.code_digest(REPO_ROOT)  # the code as loaded, before any case runs
     host = detect_host(options.device)
     secret_seed = options.seed if options.seed is not None else secrets.randbits(63)
     plan = make_plan(manifest, host, secret_seed, options.quick, options.gpus)
     notes = [CPU_NOTE] if host.device == "cpu" else []
     record = None
     if options.checkpoint is not None or options.resume is not None:
-        record = _checkpointer(manifest, options, host, secret_seed, started_at)
+        record = _checkpointer(manifest, options, host, secret_seed, started_at, code_digest)
     if options.resume is not None:
         notes.append(checkpoints.resume_note(options.resume, started_at))
         started_at = options.resume.started_at
@@ -139,6 +140,7 @@ def evaluate(
             started_at=started_at,
             finished_at=_now(),
             command=command,
+            code_digest=code_digest,
         ),
         environment=fingerprint(host),  # after the run: clocks as they were under load
         not_run=list(plan.not_run),
@@ -161,6 +163,7 @@ def _checkpointer(
     host: Host,
     seed: int,
     started_at: str,
+    code_digest: str,
 ) -> Recorder | None:
     """What writes the checkpoint after each case (None: no checkpoint asked for). Refuses a
     resume whose checkpoint was made under other settings (ResumeRefused)."""
@@ -176,7 +179,7 @@ def _checkpointer(
         max_layers=options.max_layers,
         stop=asdict(options.stop) if options.stop else None,
         environment=environment,
-        code_digest=checkpoints.code_digest(REPO_ROOT),
+        code_digest=code_digest,
         started_at=options.resume.started_at if options.resume else started_at,
         cases=[],
     )

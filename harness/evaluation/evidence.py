@@ -157,6 +157,9 @@ class RunInfo(Model):
     started_at: str
     finished_at: str
     command: str  # reproduces this run, seed included
+    # checkpoint.code_digest of the tree that ran: the git SHA in the environment cannot tell
+    # an uncommitted edit, and a GPU worker's copied tree may carry a stale .git or none
+    code_digest: str | None = None  # None in evidence written before it was recorded
 
 
 class Evidence(Model):

@@ -191,6 +191,7 @@ def environment_rows(evidence: Evidence, source: SourceInfo | None) -> list[tupl
         rows.append(("candidate source", f"{source.url} at {source.sha}"))
     elif source is not None:
         rows.append(("candidate source", "in-tree (this pathgate checkout)"))
+    rows += [("code digest", evidence.run.code_digest or "-")]
     rows += [("run seed", str(evidence.run.seed)), ("device", evidence.run.device)]
     rows += [("started", evidence.run.started_at), ("finished", evidence.run.finished_at)]
     return rows

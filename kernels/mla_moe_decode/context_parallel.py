@@ -97,23 +97,37 @@ def partial_attention(
     lora: int,
     scale: float,
 ) -> Partial:
-    """Attention of every head over this rank's tokens, normalized over them alone."""
-    scores = stock._bmm_fp32(q_latent, kv_slice.transpose(1, 2)) * scale  # (B, H, T_r)
+    """Attention of every head over this rank's tokens, normalized over them alone. The scores'
+    token axis is where the stock puts it for this many tokens (stock.tokens_major: a ragged
+    slice's odd length would otherwise cost the CP stock cuBLAS's aligned kernels)."""
+    cached = kv_slice.shape[1]
+    axis = 1 if stock.tokens_major(cached) else 2  # scores (B, T_r, H) or (B, H, T_r)
+
+    def scores_of(keys: torch.Tensor) -> torch.Tensor:  # keys (B, T, L+R)
+        if axis == 1:
+            return stock._bmm_fp32(keys, q_latent.transpose(1, 2)) * scale
+        return stock._bmm_fp32(q_latent, keys.transpose(1, 2)) * scale
+
+    scores = scores_of(kv_slice)
     if kv_new is not None:
-        scores_new = stock._bmm_fp32(q_latent, kv_new[:, :, None]) * scale  # (B, H, 1)
-        scores = torch.cat([scores, scores_new], -1)
-    if scores.shape[-1] == 0:
+        scores = torch.cat([scores, scores_of(kv_new[:, None])], axis)
+    if scores.shape[axis] == 0:
         return _empty_partial(q_latent, lora, scores.dtype)
     # exp(s - max) / sum, as torch.softmax computes it: at cp=1 this is the stock softmax
-    peak = scores.amax(-1, keepdim=True)
+    peak = scores.amax(axis, keepdim=True)
     weights = torch.exp(scores - peak)
-    total = weights.sum(-1, keepdim=True)
-    probs = weights / total  # (B, H, T_r [+1])
-    cached = kv_slice.shape[1]
-    out = stock._bmm_fp32(probs[..., :cached].to(q_latent.dtype), kv_slice[..., :lora])
+    total = weights.sum(axis, keepdim=True)
+    probs = weights / total  # the T_r [+1] tokens on `axis`
+    cached_probs = probs.narrow(axis, 0, cached).to(q_latent.dtype)
+    values = kv_slice[..., :lora]
+    if axis == 1:
+        out = stock._bmm_fp32(values.transpose(1, 2), cached_probs).transpose(1, 2)
+    else:
+        out = stock._bmm_fp32(cached_probs, values)
     if kv_new is not None:
-        out = out + probs[..., cached:] * kv_new[:, None, :lora]
-    return Partial(out, (peak + total.log()).squeeze(-1))
+        new_prob = probs.narrow(axis, cached, 1)
+        out = out + (new_prob.transpose(1, 2) if axis == 1 else new_prob) * kv_new[:, None, :lora]
+    return Partial(out, (peak + total.log()).squeeze(axis))
 
 
 def _empty_partial(q_latent: torch.Tensor, lora: int, dtype: torch.dtype) -> Partial:

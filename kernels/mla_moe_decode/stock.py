@@ -174,9 +174,15 @@ def _latent_attention(
     # against 436 at 8 x 16384 (run 7), a cliff vLLM's paged FlashMLA does not have. Tokens-major
     # (B, T, H) rows are H long whatever T is, but 12-19% slower at batch 8 when T is aligned
     # (benchmarks/stock_attention_layout.py): each context takes the faster layout.
-    if kv_cache.shape[1] % 8 == 0:
-        return _attention_heads_major(q_latent, kv_cache, kv_new, lora, scale)
-    return _attention_tokens_major(q_latent, kv_cache, kv_new, lora, scale)
+    if tokens_major(kv_cache.shape[1]):
+        return _attention_tokens_major(q_latent, kv_cache, kv_new, lora, scale)
+    return _attention_heads_major(q_latent, kv_cache, kv_new, lora, scale)
+
+
+def tokens_major(context: int) -> bool:
+    """Whether attention over `context` cached tokens lays its scores out (B, T, H) rather than
+    (B, H, T): where T is not a multiple of 8, heads-major rows miss cuBLAS's alignment."""
+    return context % 8 != 0
 
 
 def _attention_heads_major(

@@ -5,7 +5,8 @@ attend to one latent sequence: the T cached tokens and the new token. Under CP t
 along the context over `cp` ranks; each rank attends over its own slice only and returns a
 partial output with its log-sum-exp, and the partials merge exactly:
 
-    rank r:  s_r = q_lat . K_r^T * scale             (B, H, T_r)   fp32 scores
+    rank r:  s_r = q_lat . K_r^T * scale             (B, H, T_r)   fp32 scores (laid out
+                                                     (B, T_r, H) where stock.tokens_major)
              lse_r = logsumexp(s_r)                  (B, H)        fp32; -inf for no tokens
              out_r = softmax(s_r) @ K_r[:, :, :L]    (B, H, L)     fp32, not rounded
     merge:   lse = logsumexp_r(lse_r);  out = sum_r exp(lse_r - lse) * out_r,  rounded once

@@ -172,8 +172,9 @@ def _latent_attention(
     # cuBLAS needs rows of 16 bytes' multiple for its fast kernels. Heads-major scores (B, H, T)
     # have rows T long: at an odd context the compiled stock took 1079 µs per layer at 8 x 20335
     # against 436 at 8 x 16384 (run 7), a cliff vLLM's paged FlashMLA does not have. Tokens-major
-    # (B, T, H) rows are H long whatever T is, but 12-19% slower at batch 8 when T is aligned
-    # (benchmarks/stock_attention_layout.py): each context takes the faster layout.
+    # (B, T, H) rows are H long whatever T is, but 6-19% slower at batch 8 when T is aligned, and
+    # within 2% at batch 64 (benchmarks/stock_attention_layout.py): an aligned context takes
+    # heads-major, any other tokens-major.
     if tokens_major(kv_cache.shape[1]):
         return _attention_tokens_major(q_latent, kv_cache, kv_new, lora, scale)
     return _attention_heads_major(q_latent, kv_cache, kv_new, lora, scale)
@@ -181,7 +182,8 @@ def _latent_attention(
 
 def tokens_major(context: int) -> bool:
     """Whether attention over `context` cached tokens lays its scores out (B, T, H) rather than
-    (B, H, T): where T is not a multiple of 8, heads-major rows miss cuBLAS's alignment."""
+    (B, H, T): where T is not a multiple of 8, heads-major rows miss cuBLAS's alignment.
+    Tokens-major rows are H wide: aligned for the real shard's 8 heads (16 bytes in bf16)."""
     return context % 8 != 0
 
 
@@ -210,7 +212,7 @@ def _attention_tokens_major(
     cached = probs[:, :context].to(q_latent.dtype)  # (B, T, H)
     o = _bmm_fp32(kv_cache[..., :lora].transpose(1, 2), cached)  # (B, L, H)
     o = o + kv_new[:, :lora, None] * probs[:, context:]
-    return o.transpose(1, 2).to(q_latent.dtype)  # (B, H, L)
+    return o.transpose(1, 2).to(q_latent.dtype)  # (B, H, L), strided: its one reader is a bmm
 
 
 def _rope_cos_sin(

@@ -5,7 +5,7 @@ N = nope dim, V = v dim; the cache row is L + R wide (latent | roped key).
     latent_prep   fused_qkv_a partials -> q_a_layernorm(q_c) (B, Q) and
                   kv_new = [kv_a_layernorm(kv_c), rope(k_pe)] (B, L+R).  program per token
     q_absorb      q_b partials -> q_lat = [q_nope @ W_UK, rope(q_pe)] (B, H, L+R).
-                                                                  program per (head, L block)
+                                            program per (head, L block, block of 16 tokens)
     mla_split     split-KV attention over the cache, all heads per program (MQA over the
                   latent: one read of a cached token serves every head) -> per split its
                   running max, sum and unnormalized output.  program per (token, context split)

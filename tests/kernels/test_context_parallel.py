@@ -140,9 +140,10 @@ def test_ragged_splits_merge_exactly(sizes: tuple[int, ...], batch: int) -> None
     torch.testing.assert_close(got, _reference(q, kv, new), rtol=1e-12, atol=1e-13)
 
 
-def test_cp1_is_the_stock_computation_bit_for_bit_in_bf16() -> None:
-    q, kv, new = _inputs(5, 64, seed=3, dtype=torch.bfloat16)
-    got = context_parallel_attention(q, kv, new, LORA, SCALE, (64,))
+@pytest.mark.parametrize("context", [64, 63])  # the stock's heads-major and tokens-major layouts
+def test_cp1_is_the_stock_computation_bit_for_bit_in_bf16(context: int) -> None:
+    q, kv, new = _inputs(5, context, seed=3, dtype=torch.bfloat16)
+    got = context_parallel_attention(q, kv, new, LORA, SCALE, (context,))
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, stock._latent_attention(q, kv, new, LORA, SCALE))
 

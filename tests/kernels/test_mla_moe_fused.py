@@ -431,7 +431,9 @@ def test_q_absorb_builds_the_latent_query(batch: int) -> None:
     positions = torch.randint(0, 33000, (batch,), generator=gen)
     turns = fused.rope_turns(CPU, rope, c.rope_theta)
     plan = fused.layer_plan(LAYER, batch, 8, on_gpu=False, sm_count=0)
-    q_lat = torch.empty(batch, heads, lora + rope, dtype=BF16)
+    q_lat = torch.full(
+        (batch, heads, lora + rope), float("nan"), dtype=BF16
+    )  # a skipped block shows
     q_absorb(parts, kv_b, positions, turns, q_lat, nope, c.v_head_dim, plan.attention)
     q_nope, q_pe = parts.double().sum(0).view(batch, heads, -1).split([nope, rope], -1)
     w_uk = kv_b.view(heads, nope + c.v_head_dim, lora)[:, :nope]  # (H, N, L)
@@ -450,6 +452,12 @@ def test_h200_attention_up_to_batch_8_runs_in_one_wave(context: int) -> None:
     for batch in range(1, 9):
         plan = fused.layer_plan(LAYER, batch, context, on_gpu=True, sm_count=132).attention
         assert batch * plan.splits <= 132
+        assert plan.tokens_per_split % plan.block_t == 0
+        assert (
+            (plan.splits - 1) * plan.tokens_per_split
+            < context
+            <= plan.splits * plan.tokens_per_split
+        )
 
 
 @pytest.mark.parametrize("gpu_plan", [False, True])

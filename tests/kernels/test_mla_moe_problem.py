@@ -434,12 +434,16 @@ def test_both_stock_attention_layouts_compute_the_same_attention(
     keys = torch.cat([cache, new[:, None]], 1).double()  # (B, T+1, L+R)
     probs = torch.softmax(torch.einsum("bhd,btd->bht", q.double(), keys) * scale, -1)
     expected = torch.einsum("bht,btl->bhl", probs, keys[..., :lora])
+    # the probabilities' and the output's bf16 roundings: within one bf16 spacing of the
+    # largest output (measured: 0.3-0.8 of it at these sizes)
+    spacing = 2.0 ** (math.floor(math.log2(expected.abs().max().item())) - 7)
     outs = {}
     for layout in ("heads_major", "tokens_major"):
         outs[layout] = getattr(stock, f"_attention_{layout}")(q, cache, new, lora, scale)
-        # one bf16 rounding of probabilities and of the output: a few bf16 spacings at most
-        assert (outs[layout].double() - expected).abs().max() < 0.05
-    assert (outs["heads_major"].float() - outs["tokens_major"].float()).abs().max() < 0.05
+        assert (outs[layout].double() - expected).abs().max() <= spacing
+    # the same sums in the same order on the CPU (on the H200 cuBLAS's kernels differ: within
+    # 2e-3 at the real shard's sizes, benchmarks/stock_attention_layout.py)
+    assert torch.equal(outs["heads_major"], outs["tokens_major"])
     picked = "heads_major" if context % 8 == 0 else "tokens_major"
     calls: list[str] = []
     for layout in ("heads_major", "tokens_major"):

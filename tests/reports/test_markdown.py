@@ -54,6 +54,8 @@ def test_reproduce_command_closes_the_report() -> None:
         tail = markdown.rsplit("## Reproduce", 1)[1]
         assert f"```\n{evidence.run.command}\n```" in tail
         assert "--seed" in evidence.run.command
+        # evidence written before the code digest was recorded says so, rather than failing
+        assert evidence.run.code_digest is None and "| code digest | - |" in markdown
 
 
 def test_cpu_run_warns_and_leaves_claims_not_measurable() -> None:

@@ -556,8 +556,7 @@ def _soft_kernel(
 # --sweep-moe: the MoE kernels' tiles, timed as part 1 times them.
 
 # (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages[, gate_up_splits,
-# down_splits[, gate_up_programs[, down_flat]]]): MoeBlocks' fields after block_m, which
-# follows the batch
+# down_splits[, gate_up_programs]]): MoeBlocks' fields after block_m, which follows the batch
 # The 2026-12-03 sweep (docs/mla_moe_notes.md): wider gate_up programs won at batch 1, and
 # every split-K variant lost (111-274 µs at batch 1 against 90 unsplit), so one is kept as a check.
 MOE_TILES_SMALL = [
@@ -574,25 +573,23 @@ MOE_TILES_SMALL = [
     (16, 128, 32, 128, 4, 4, 1, 1, 132),
     (16, 128, 32, 128, 4, 4, 1, 1, 264),
     (32, 128, 32, 128, 4, 4, 2, 1),  # the gate_up's hidden dim split over 2 programs
-    (32, 128, 32, 128, 4, 4, 1, 1, 0, True),  # the plan with the down's flat loop
 ]
 # Above batch 16 the 2026-12-03 sweeps (docs/runs/2026-12-03-worklist/moe.json) had the plan
 # within 2% of every other gate_up tiling, and narrower down programs 38% slower. The ninth
 # session's profile had the down kernel at about 0.7 of the gate_up's bandwidth at batch 64,
-# so that session varied the down kernel: its K split over 2 or 4 programs (each sums its
-# share of every expert; the last to finish adds the partials in order), its K step and
-# stages. None beat the plan at 64 (docs/runs/2026-12-03-ninth/moe.json). What the nested
-# loop cannot do is keep its pipeline full across experts: the rest are the flat loop over
-# (expert, K step), with the stages and K steps that a pipeline without drains may now use.
+# so the rest vary the down kernel: its K split over 2 or 4 programs (each sums its share of
+# every expert; the last to finish adds the partials in order), its K step and stages.
+# None beat the plan at 64. The tenth session tried a down kernel with one flat loop over
+# (expert, K step): 28-39% slower at batch 8-64 and removed (docs/mla_moe_notes.md).
 MOE_TILES_LARGE = [
     (32, 128, 32, 128, 4, 3),  # the plan for batch > 16
-    (32, 128, 32, 128, 4, 3, 1, 1, 0, True),
-    (32, 128, 32, 128, 4, 4, 1, 1, 0, True),
-    (32, 128, 32, 128, 4, 5, 1, 1, 0, True),
-    (32, 128, 32, 256, 4, 3, 1, 1, 0, True),
-    (32, 128, 32, 64, 4, 5, 1, 1, 0, True),
-    (32, 128, 32, 128, 4, 3, 1, 2, 0, True),
-    (32, 128, 16, 128, 4, 4, 1, 1, 0, True),
+    (32, 128, 32, 128, 4, 4),
+    (32, 128, 32, 128, 4, 3, 1, 2),
+    (32, 128, 32, 128, 4, 4, 1, 2),
+    (32, 128, 32, 128, 4, 3, 1, 4),
+    (32, 128, 32, 128, 8, 3, 1, 2),
+    (32, 128, 32, 256, 4, 3),
+    (32, 128, 32, 64, 4, 4),
 ]
 
 

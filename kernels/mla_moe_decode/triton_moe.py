@@ -70,7 +70,6 @@ class MoeBlocks:
     gate_up_splits: int = 1  # programs that share one (expert, feature block) over the hidden dim
     down_splits: int = 1  # programs that share one output block over the intermediate dims
     gate_up_programs: int = 0  # at most this many gate_up programs (per split); 0: one per item
-    down_flat: bool = False  # the down kernel's one pipelined loop over (expert, K step)
 
 
 @triton.jit
@@ -396,7 +395,6 @@ def _down_kernel(
     out_ptr,  # (B, D) bf16 out
     partial_ptr,  # K_SPLITS > 1: (column blocks, K_SPLITS, BLOCK_M, BLOCK_N) fp32 workspace
     counter_ptr,  # K_SPLITS > 1: (column blocks,) int32, zero between launches
-    list_ptr,  # FLAT: (column blocks x K_SPLITS, 2 BLOCK_E) int32 scratch, one list per program
     B,
     D,
     INTER,
@@ -413,7 +411,6 @@ def _down_kernel(
     DOT_F32: tl.constexpr,
     BLOCK_E: tl.constexpr,
     K_SPLITS: tl.constexpr,
-    FLAT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -432,57 +429,30 @@ def _down_kernel(
     table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)  # read once
     rank, n_chosen = _chosen_local_experts(ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E)
     out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FLAT:
-        out = _down_flat(
-            out,
+    for n in range(0, n_chosen):  # in expert order, as the sum's order must not vary
+        expert = _nth_expert(rank, n, BLOCK_E)
+        chosen, slot, match = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
+        w_expert = w2_ptr + (expert * D).to(tl.int64) * INTER  # int64: E * D * I is large
+        down = _down_tile(
             act_ptr,
             rows,
-            table,
-            routing_weights,
-            rank,
-            n_chosen,
-            w2_ptr,
-            list_ptr + (col_block * K_SPLITS + tl.program_id(2)) * 2 * BLOCK_E,
-            D,
+            slot,
+            chosen,
+            w_expert,
             INTER,
-            expert_offset,
+            INTER,
             cols,
             col_mask,
             k_start,
             k_per_split,
             TOP_K,
-            BLOCK_K_SLOTS,
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
             DOT_F32,
-            BLOCK_E,
         )
-    else:
-        for n in range(0, n_chosen):  # in expert order, as the sum's order must not vary
-            expert = _nth_expert(rank, n, BLOCK_E)
-            chosen, slot, match = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
-            w_expert = w2_ptr + (expert * D).to(tl.int64) * INTER  # int64: E * D * I is large
-            down = _down_tile(
-                act_ptr,
-                rows,
-                slot,
-                chosen,
-                w_expert,
-                INTER,
-                INTER,
-                cols,
-                col_mask,
-                k_start,
-                k_per_split,
-                TOP_K,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                DOT_F32,
-            )
-            weight = tl.sum(tl.where(match, routing_weights, 0.0), axis=1)  # (BLOCK_M,)
-            out += down * weight[:, None]
+        weight = tl.sum(tl.where(match, routing_weights, 0.0), axis=1)  # (BLOCK_M,)
+        out += down * weight[:, None]
     shared_slot = tl.zeros((BLOCK_M,), dtype=tl.int32) + TOP_K
     out += _down_tile(
         act_ptr,
@@ -511,65 +481,6 @@ def _down_kernel(
     if last:
         out_at = out_ptr + rows[:, None] * D + cols[None, :]
         tl.store(out_at, round_bf16(out), mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
-def _down_flat(
-    out,
-    act_ptr,
-    rows,
-    table,
-    routing_weights,
-    rank,
-    n_chosen,
-    w2_ptr,
-    list_ptr,  # this program's 2 BLOCK_E int32 of scratch
-    D,
-    INTER,
-    expert_offset,
-    cols,
-    col_mask,
-    k_start,
-    k_per_split,
-    TOP_K: tl.constexpr,
-    BLOCK_K_SLOTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    """out + the routed experts' weight * (act @ down_e[cols].T), as the expert loop of
-    _down_kernel computes it, but as one loop over (expert, K step): the software pipeline then
-    runs on across experts instead of draining and refilling at each one (about 30 experts per
-    program at batch 64). Each expert's sum over K and its weighting happen in the same order
-    as the two nested loops', so the bits are the same. The expert of a step is read from a list
-    in memory (the chosen experts in order, written here once), since picking it out of the
-    rank vector in registers would be a block-wide reduction at every step."""
-    experts = tl.arange(0, 2 * BLOCK_E)
-    tl.store(list_ptr + rank, experts, mask=rank >= 0)
-    tl.debug_barrier()  # the whole list is written before any thread reads it
-    k_end = tl.minimum(k_start + k_per_split, INTER)
-    steps = tl.cdiv(k_end - k_start, BLOCK_K)  # per expert
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, n_chosen * steps):
-        n = step // steps
-        first = k_start + (step - n * steps) * BLOCK_K
-        expert = tl.load(list_ptr + n)
-        chosen, slot, match = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
-        ks = first + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_end
-        act_rows = act_ptr + (rows * (TOP_K + 1) + slot)[:, None] * INTER
-        act = tl.load(act_rows + ks[None, :], mask=chosen[:, None] & k_mask[None, :], other=0.0)
-        w_rows = w2_ptr + (expert * D).to(tl.int64) * INTER + cols[:, None] * INTER
-        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = mma(act, tl.trans(w), acc, DOT_F32)
-        # the expert's last K step: weight its sum into out and start the next from zero
-        done = step - n * steps == steps - 1
-        weight = tl.sum(tl.where(match, routing_weights, 0.0), axis=1)  # (BLOCK_M,)
-        out = tl.where(done, out + acc * weight[:, None], out)
-        acc = tl.where(done, 0.0, acc)
-    return out
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -673,11 +584,6 @@ def fused_moe(
             column_blocks, down_splits, tile_size, device=h.device, dtype=torch.float32
         )
         counters = split_counters(h.device, column_blocks)
-    expert_lists = out  # unused unless flat
-    if blocks.down_flat:
-        expert_lists = torch.empty(
-            column_blocks * down_splits, 2 * common["BLOCK_E"], device=h.device, dtype=torch.int32
-        )
     _down_kernel[(column_blocks, 1, down_splits)](
         act,
         ids,
@@ -687,7 +593,6 @@ def fused_moe(
         out,
         partial,
         counters,
-        expert_lists,
         batch,
         hidden,
         inter,
@@ -698,7 +603,6 @@ def fused_moe(
         BLOCK_N=blocks.down_cols,
         BLOCK_K=blocks.down_k,
         K_SPLITS=down_splits,
-        FLAT=blocks.down_flat,
         **common,
         **pdl_options(act.device),
     )

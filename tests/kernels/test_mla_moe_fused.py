@@ -564,35 +564,6 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
         assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("batch", [1, 3, 64])
-def test_flat_down_loop_gives_the_bits_of_the_nested_one(batch: int, splits: int) -> None:
-    """The down kernel's one loop over (expert, K step) sums each expert over K and weights it
-    into the output in the nested loops' order, so every bit agrees; at K steps of 64 over the
-    routed experts' 96 the second step of each expert is partial, and split 3 ways the second
-    split holds one partial step of every expert. Experts no token chose are NaN, as above."""
-    c, gen = LAYER, torch.Generator().manual_seed(100 + batch)
-    h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
-    w = _expert_weights(c, gen)
-    pool = torch.tensor([e for e in range(c.experts_total) if e not in (16, 17)])
-    ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[: c.top_k]] for _ in h])
-    local = ids[0] - c.expert_offset
-    if not ((local >= 0) & (local < c.experts)).any():  # a local expert at batch 1 too
-        ids[0, 0] = c.expert_offset + 5  # (so never an id twice in a row)
-    w["experts_w13"][[0, 1]] = float("nan")
-    w["experts_w2"][[0, 1]] = float("nan")
-    routing = torch.rand(batch, c.top_k, generator=gen) + 0.1
-    experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
-    nested = MoeBlocks(16 if batch <= 16 else 64, 64, 128, 128, 64, 4, 1, 1, splits)
-    outs = []
-    for blocks in (nested, dataclasses.replace(nested, down_flat=True)):
-        out = torch.full_like(h, float("nan"))
-        fused_moe(h, ids.int(), routing, *experts, out, c.expert_offset, blocks)
-        outs.append(out)
-    assert outs[0].isfinite().all()
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_fused_moe_refuses_expert_ids_that_are_not_int32() -> None:
     """The kernels build their work list with tl.histogram, which takes 32-bit ints only: int64
     ids (torch's own index type) are refused on the host with a plain message, before Triton
@@ -775,30 +746,6 @@ def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(ba
     )
     split_error, unsplit_error = _relative(replays[0], expected), _relative(unsplit_out, expected)
     assert split_error <= 1.5 * unsplit_error + 1e-4, (split_error, unsplit_error)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 8, 64])
-def test_flat_down_loop_gives_the_bits_of_the_nested_one_on_the_gpu(batch: int) -> None:
-    """The flat down loop on the real shard, its programs and pipeline as the GPU runs them:
-    the same bits as the nested loops, with the tokens' own routing (at batch 64 about 30
-    chosen local experts, so about 30 expert boundaries inside each program's pipeline)."""
-    c, gen, h, _, experts = _real_shard_moe(batch)
-    ids = torch.stack(
-        [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
-    ).int()
-    local = (ids[0] >= c.expert_offset) & (ids[0] < c.expert_offset + c.experts)
-    if not local.any():  # at least one local expert, at batch 1 too (never a repeated id)
-        ids[0, 0] = c.expert_offset + 5
-    routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
-    nested = dataclasses.replace(fused._moe_blocks(batch, True), down_flat=False)
-    outs = []
-    for blocks in (nested, dataclasses.replace(nested, down_flat=True)):
-        out = torch.full_like(h, float("nan"))
-        fused_moe(h, ids, routing, *experts, out, c.expert_offset, blocks)
-        outs.append(out)
-    assert outs[0].isfinite().all()
-    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu

@@ -556,7 +556,8 @@ def _soft_kernel(
 # --sweep-moe: the MoE kernels' tiles, timed as part 1 times them.
 
 # (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages[, gate_up_splits,
-# down_splits[, gate_up_programs]]): MoeBlocks' fields after block_m, which follows the batch
+# down_splits[, gate_up_programs[, shared_splits]]]): MoeBlocks' fields after block_m, which
+# follows the batch
 # The 2026-12-03 sweep (docs/mla_moe_notes.md): wider gate_up programs won at batch 1, and
 # every split-K variant lost (111-274 µs at batch 1 against 90 unsplit), so one is kept as a check.
 MOE_TILES_SMALL = [
@@ -573,6 +574,12 @@ MOE_TILES_SMALL = [
     (16, 128, 32, 128, 4, 4, 1, 1, 132),
     (16, 128, 32, 128, 4, 4, 1, 1, 264),
     (32, 128, 32, 128, 4, 4, 2, 1),  # the gate_up's hidden dim split over 2 programs
+    # the shared expert's 8 tiles split over K alone: 4, 7, 14, 28 programs each (at batch 1
+    # with no local expert chosen, its 8 unsplit programs ran at 436 GB/s)
+    (32, 128, 32, 128, 4, 4, 1, 1, 0, 4),
+    (32, 128, 32, 128, 4, 4, 1, 1, 0, 7),
+    (32, 128, 32, 128, 4, 4, 1, 1, 0, 14),
+    (32, 128, 32, 128, 4, 4, 1, 1, 0, 28),
 ]
 # Above batch 16 the 2026-12-03 sweeps (docs/runs/2026-12-03-worklist/moe.json) had the plan
 # within 2% of every other gate_up tiling, and narrower down programs 38% slower. The ninth

@@ -287,8 +287,16 @@ def _moe_blocks(batch: int, on_gpu: bool) -> MoeBlocks:
     # 1 with the gate_up or down split over K (split-K stays off). That sweep drew 1-3 routed
     # experts per launch; a launch with the shared expert alone (8 programs at these tiles)
     # is not timed yet: the sweep now times it at batch 1.
+    # Batch <= 4: the shared expert's 8 tiles split 14 ways over the hidden dim (112 programs
+    # of 64 KB). When no token chooses a local expert (a third of the layers at batch 1, one in
+    # eight at batch 2) its tiles are the whole gate_up kernel, and unsplit they ran 8 programs
+    # of 917 KB each: 25 µs at 436 GB/s for the MoE at batch 1 (2026-12-03 sweep; the
+    # 2026-12-04 sweep times 4-28 splits, docs/runs/2026-12-04-shared-split/).
     if batch <= 16:
-        return MoeBlocks(block_m, 32, 128, 32, 128, num_warps=4, num_stages=4)
+        shared_splits = 14 if batch <= 4 else 1
+        return MoeBlocks(
+            block_m, 32, 128, 32, 128, num_warps=4, num_stages=4, shared_splits=shared_splits
+        )
     # Batch > 16: 32 features per gate_up program and 32 outputs per down program halve how
     # often the token tile is reloaded per weight byte: 860 µs at batch 64 (3.85 TB/s) against
     # 1219 µs for (16, 128, 16, 128).

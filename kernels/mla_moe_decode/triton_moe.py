@@ -17,11 +17,15 @@
               launched and the unchosen ones exited; in the H200 MoE sweep of 2026-12-03 the
               batch-1 time grew with that count (82 / 90 / 131 µs for 576 / 1152 / 2304
               programs), and batch 4 launched 2112 programs for about 4 chosen experts' 256.
-              Split K (gate_up_splits > 1): each item is also split over the hidden
-              dimension, so that several programs stream one block's weight rows. Each split
-              stores its fp32 partial tile and counts itself in on the item's counter; the
-              split that arrives last adds the partials in split order (deterministic),
-              applies SiLU-and-mul and resets the counter for the next launch.
+              Split K: a feature block (a "tile") can be several items, each a part of the
+              hidden dimension, so that several programs stream one block's weight rows;
+              shared_splits for the shared expert's tiles, gate_up_splits for the routed
+              ones. Each split stores its fp32 partial tile and counts itself in on the
+              tile's counter; the split that arrives last adds the partials in split order
+              (deterministic), applies SiLU-and-mul and resets the counter for the next
+              launch. At batch 1 the shared expert's 256 features are 8 tiles of 32: when no
+              token chooses a local expert those 8 programs are the whole kernel, and each
+              streamed 917 KB alone (436 GB/s in the 2026-12-03 sweep).
     down      program (hidden block n) owns out[:, block n]: it walks the chosen local experts
               in order (the same list), and for each one adds weight * (act @ down_e[block n].T)
               for those tokens; then the shared expert with weight 1. One program per output
@@ -69,7 +73,8 @@ class MoeBlocks:
     num_stages: int
     gate_up_splits: int = 1  # programs that share one (expert, feature block) over the hidden dim
     down_splits: int = 1  # programs that share one output block over the intermediate dims
-    gate_up_programs: int = 0  # at most this many gate_up programs (per split); 0: one per item
+    gate_up_programs: int = 0  # at most this many gate_up programs; 0: one per item
+    shared_splits: int = 1  # programs that share one shared-expert feature block over hidden
 
 
 @triton.jit
@@ -217,34 +222,36 @@ def _nth_expert(rank, n, BLOCK_E: tl.constexpr):
 @triton.jit
 def _last_split_sum(
     acc,
-    partial_ptr,  # (tiles or items, K_SPLITS, BLOCK_M, BLOCK_N) fp32 workspace
-    counter_ptr,  # (tiles or items,) int32, zero between launches
-    tile,  # the down kernel's output tile, or the gate_up kernel's work item
+    partial_ptr,  # (tiles, SPLIT_STRIDE, BLOCK_M, BLOCK_N) fp32 workspace
+    counter_ptr,  # (tiles,) int32, zero between launches
+    tile,  # the down kernel's output tile, or the gate_up kernel's (expert, feature block)
+    split,  # which of the tile's n_splits this is
+    n_splits,
     rows,
     row_mask,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    K_SPLITS: tl.constexpr,
+    SPLIT_STRIDE: tl.constexpr,  # >= n_splits: the workspace's splits per tile
 ):
     """Split-K without atomics on the data: store this split's partial tile, count in on the
     tile's counter; (the sum of every split's partial in split order, whether this split
     arrived last). The last one also resets the counter, so the next launch (a graph replay)
     finds it at zero."""
     cols = tl.arange(0, BLOCK_N)
-    tile_at = partial_ptr + tl.cast(tile, tl.int64) * K_SPLITS * BLOCK_M * BLOCK_N
+    tile_at = partial_ptr + tl.cast(tile, tl.int64) * SPLIT_STRIDE * BLOCK_M * BLOCK_N
     at = rows[:, None] * BLOCK_N + cols[None, :]
     mask = row_mask[:, None]
-    tl.store(tile_at + tl.program_id(2) * BLOCK_M * BLOCK_N + at, acc, mask=mask)
+    tl.store(tile_at + split * BLOCK_M * BLOCK_N + at, acc, mask=mask)
     tl.debug_barrier()  # every thread's store issued before the release below
     arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-    last = arrived == K_SPLITS - 1
+    last = arrived == n_splits - 1
     total = acc
     if last:
         # .cg: from L2, where the other splits' stores are; never a stale L1 line
         total = tl.load(tile_at + at, mask=mask, other=0.0, cache_modifier=".cg")
-        for split in tl.static_range(1, K_SPLITS):
+        for other in range(1, n_splits):
             total += tl.load(
-                tile_at + split * BLOCK_M * BLOCK_N + at, mask=mask, other=0.0, cache_modifier=".cg"
+                tile_at + other * BLOCK_M * BLOCK_N + at, mask=mask, other=0.0, cache_modifier=".cg"
             )
         tl.atomic_xchg(counter_ptr + tile, 0)
     return total, last
@@ -257,8 +264,8 @@ def _gate_up_kernel(
     w13_ptr,  # (E, 2 INTER, D) bf16: [gate; up] per local expert
     shared_ptr,  # (2 I_S, D) bf16: the shared expert's [gate; up]
     act_ptr,  # (B, TOP_K + 1, INTER) bf16 out: slot TOP_K is the shared expert's
-    partial_ptr,  # K_SPLITS > 1: (items, K_SPLITS, BLOCK_M, 2 BLOCK_I) fp32 workspace
-    counter_ptr,  # K_SPLITS > 1: (items,) int32, zero between launches
+    partial_ptr,  # split items: (tiles, SPLIT_STRIDE, BLOCK_M, 2 BLOCK_I) fp32 workspace
+    counter_ptr,  # split items: (tiles,) int32, zero between launches
     B,
     D,
     INTER,
@@ -266,6 +273,7 @@ def _gate_up_kernel(
     E,
     expert_offset,
     k_per_split,
+    shared_k_per_split,
     TOP_K: tl.constexpr,
     BLOCK_K_SLOTS: tl.constexpr,
     BLOCK_IDS: tl.constexpr,  # >= B x TOP_K
@@ -274,8 +282,10 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_E: tl.constexpr,  # >= E
-    K_SPLITS: tl.constexpr,
-    SHARED_ITEMS: tl.constexpr,  # the shared expert's items come first
+    K_SPLITS: tl.constexpr,  # items per routed (expert, feature block)
+    SHARED_TILES: tl.constexpr,  # the shared expert's feature blocks, whose items come first
+    SHARED_SPLITS: tl.constexpr,  # items per shared feature block
+    SPLIT_STRIDE: tl.constexpr,  # the larger of K_SPLITS and SHARED_SPLITS
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -284,12 +294,16 @@ def _gate_up_kernel(
     table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
     rank, n_chosen = _chosen_local_experts(ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E)
     blocks_per_expert = tl.cdiv(INTER, BLOCK_I)
-    n_items = SHARED_ITEMS + n_chosen * blocks_per_expert
+    shared_items = SHARED_TILES * SHARED_SPLITS
+    n_items = shared_items + n_chosen * blocks_per_expert * K_SPLITS
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        is_shared = item < SHARED_ITEMS
-        routed_item = tl.maximum(item - SHARED_ITEMS, 0)
-        expert = _nth_expert(rank, routed_item // blocks_per_expert, BLOCK_E)
-        col_block = tl.where(is_shared, item, routed_item % blocks_per_expert)
+        # item -> (tile, split): a tile is one (expert, feature block), split over K
+        is_shared = item < shared_items
+        n_splits = tl.where(is_shared, SHARED_SPLITS, K_SPLITS)
+        in_part = tl.where(is_shared, item, item - shared_items)
+        tile, split = in_part // n_splits, in_part % n_splits
+        expert = _nth_expert(rank, tile // blocks_per_expert, BLOCK_E)
+        col_block = tl.where(is_shared, tile, tile % blocks_per_expert)
         chosen, slot, _ = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
         chosen = tl.where(is_shared, row_mask, chosen)
         slot = tl.where(is_shared, TOP_K, slot)
@@ -302,8 +316,9 @@ def _gate_up_kernel(
         w_rows = w_base + ((pair % 2) * inter + feature)[:, None] * D  # (2 BLOCK_I, 1)
         f_mask = feature < inter
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_I), dtype=tl.float32)
-        k_start = tl.program_id(2) * k_per_split
-        for first in range(k_start, tl.minimum(k_start + k_per_split, D), BLOCK_K):
+        k_start = split * tl.where(is_shared, shared_k_per_split, k_per_split)
+        k_end = tl.minimum(k_start + tl.where(is_shared, shared_k_per_split, k_per_split), D)
+        for first in range(k_start, k_end, BLOCK_K):
             ks = first + tl.arange(0, BLOCK_K)
             k_mask = ks < D
             h = tl.load(
@@ -313,12 +328,25 @@ def _gate_up_kernel(
             )  # (BLOCK_M, BLOCK_K): rows of tokens that did not choose this expert stay 0
             w = tl.load(w_rows + ks[None, :], mask=f_mask[:, None] & k_mask[None, :], other=0.0)
             acc = mma(h, tl.trans(w), acc, DOT_F32)  # (BLOCK_M, 2 BLOCK_I)
-        if K_SPLITS > 1:
-            acc, last = _last_split_sum(
-                acc, partial_ptr, counter_ptr, item, rows, chosen, BLOCK_M, 2 * BLOCK_I, K_SPLITS
-            )
-        else:
-            last = True
+        last = n_splits == 1
+        # some tile is split: its last split adds them up. Two ifs: the outer is decided at
+        # compile time, so an unsplit plan compiles no atomics at all.
+        if SHARED_SPLITS * K_SPLITS > 1:  # noqa: SIM102
+            if n_splits > 1:
+                counter = tl.where(is_shared, tile, SHARED_TILES + tile)
+                acc, last = _last_split_sum(
+                    acc,
+                    partial_ptr,
+                    counter_ptr,
+                    counter,
+                    split,
+                    n_splits,
+                    rows,
+                    chosen,
+                    BLOCK_M,
+                    2 * BLOCK_I,
+                    SPLIT_STRIDE,
+                )
         if last:
             _store_act(
                 acc, act_ptr, rows, slot, chosen, col_block, inter, INTER, TOP_K, BLOCK_M, BLOCK_I
@@ -474,7 +502,17 @@ def _down_kernel(
     )
     if K_SPLITS > 1:
         out, last = _last_split_sum(
-            out, partial_ptr, counter_ptr, col_block, rows, row_mask, BLOCK_M, BLOCK_N, K_SPLITS
+            out,
+            partial_ptr,
+            counter_ptr,
+            col_block,
+            tl.program_id(2),
+            K_SPLITS,
+            rows,
+            row_mask,
+            BLOCK_M,
+            BLOCK_N,
+            K_SPLITS,
         )
     else:
         last = True
@@ -541,19 +579,25 @@ def fused_moe(
         num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,
     )
-    # work items: the shared expert's feature blocks, then those of every chosen local expert
-    shared_items = triton.cdiv(shared_inter, blocks.gate_up_cols)
-    most_items = shared_items + min(batch * top_k, experts) * triton.cdiv(
+    # work items: the shared expert's feature blocks, then those of every chosen local expert;
+    # each block ("tile") is one item per K split
+    shared_tiles = triton.cdiv(shared_inter, blocks.gate_up_cols)
+    most_tiles = shared_tiles + min(batch * top_k, experts) * triton.cdiv(
         inter, blocks.gate_up_cols
     )
-    programs = min(most_items, blocks.gate_up_programs or most_items)
     k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
+    shared_k_per_split, shared_splits = k_splits(hidden, blocks.shared_splits, blocks.gate_up_k)
+    most_items = shared_tiles * shared_splits + (most_tiles - shared_tiles) * splits
+    programs = min(most_items, blocks.gate_up_programs or most_items)
+    split_stride = max(splits, shared_splits)
     partial, counters = act, act  # unused unless split
-    if splits > 1:
+    if split_stride > 1:
         tile_size = blocks.block_m * 2 * blocks.gate_up_cols
-        partial = torch.empty(most_items, splits, tile_size, device=h.device, dtype=torch.float32)
-        counters = split_counters(h.device, most_items)
-    _gate_up_kernel[(programs, 1, splits)](
+        partial = torch.empty(
+            most_tiles, split_stride, tile_size, device=h.device, dtype=torch.float32
+        )
+        counters = split_counters(h.device, most_tiles)
+    _gate_up_kernel[(programs,)](
         h,
         ids,
         w13,
@@ -568,10 +612,13 @@ def fused_moe(
         experts,
         expert_offset,
         k_per_split,
+        shared_k_per_split,
         BLOCK_I=blocks.gate_up_cols,
         BLOCK_K=blocks.gate_up_k,
         K_SPLITS=splits,
-        SHARED_ITEMS=shared_items,
+        SHARED_TILES=shared_tiles,
+        SHARED_SPLITS=shared_splits,
+        SPLIT_STRIDE=split_stride,
         **common,
         **pdl_options(h.device),
     )

@@ -512,10 +512,10 @@ def test_routing_picks_the_biased_top_k_and_weighs_by_the_unbiased_scores() -> N
 
 
 @pytest.mark.parametrize(("programs", "cols"), [(0, 64), (3, 64), (0, 16)])
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(("splits", "shared_splits"), [(1, 1), (3, 2), (1, 3)])
 @pytest.mark.parametrize("batch", [1, 3, 64])
 def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
-    batch: int, splits: int, programs: int, cols: int
+    batch: int, splits: int, shared_splits: int, programs: int, cols: int
 ) -> None:
     """Routed + shared experts against float64 per-token math; the weights of every expert no
     token chose are NaN, so reading any of them would show. gate_up's work items are the
@@ -527,7 +527,9 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     ways: the gate_up's hidden dimension (320) over 3 programs per item and the down's
     intermediate dimensions (96 and 32, K steps of 64) over 2, each summed by the tile's last
     split; every tile's counter is back at zero afterwards, and a second call gives the same
-    bits."""
+    bits. shared_splits: the shared expert's tiles split apart from the routed ones', 2 ways
+    beside the routed 3 (tiles of different split counts in one launch), or 3 ways alone (the
+    plan at small batch), where no routed tile counts."""
     c, gen = LAYER, torch.Generator().manual_seed(batch)
     h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
     w = _expert_weights(c, gen)
@@ -549,7 +551,7 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     w["experts_w2"][unchosen] = float("nan")
     out = torch.empty_like(h)
     block_m = 16 if batch <= 16 else 64
-    blocks = MoeBlocks(block_m, cols, 128, 128, 64, 4, 1, splits, splits, programs)
+    blocks = MoeBlocks(block_m, cols, 128, 128, 64, 4, 1, splits, splits, programs, shared_splits)
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
     fused_moe(h, ids.int(), routing, *experts, out, c.expert_offset, blocks)
     expected = torch.stack([_moe_reference(c, w, h[b], local[b], routing[b]) for b in range(batch)])
@@ -557,7 +559,7 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     # the reference already rounds the activation; what remains is the final rounding (a
     # second rounding of gate/up, say, would read about 4e-3 here)
     assert _relative(out, expected) <= 1.2 * _relative(expected.to(BF16), expected)
-    if splits > 1:
+    if max(splits, shared_splits) > 1:
         assert not triton_moe._counters[CPU].any()  # every tile left its counter at zero
         again = torch.empty_like(h)
         fused_moe(h, ids.int(), routing, *experts, again, c.expert_offset, blocks)
@@ -711,18 +713,24 @@ def _real_shard_moe(batch: int) -> tuple[LayerConfig, torch.Generator, torch.Ten
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shared_only", [False, True])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(batch: int) -> None:
+def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(
+    batch: int, shared_only: bool
+) -> None:
     """The split gate_up and down on the real shard: programs of a tile really run at once here
     (the interpreter runs them one by one), so a race in the last-split sum or a counter left
     off zero would show as replays that disagree or a result further from float64 than the
-    unsplit one's."""
+    unsplit one's. The shared expert's tiles split 7 ways beside the routed ones' 4; with
+    shared_only every token's experts are on other GPUs, so the shared tiles are all there is."""
     c, gen, h, weights, experts = _real_shard_moe(batch)
     local = torch.randperm(c.experts, generator=gen, device="cuda")[: min(c.top_k, c.experts)]
-    ids = (local[None, :].repeat(batch, 1) + c.expert_offset).int()  # every token local
+    if shared_only:  # the next GPU's experts (the shard holds 48 of 384)
+        local = local + c.experts
+    ids = (local[None, :].repeat(batch, 1) + c.expert_offset).int()  # the same for every token
     routing = torch.rand(batch, ids.shape[1], generator=gen, device="cuda") / 4
-    plain = fused._moe_blocks(batch, True)
-    split = dataclasses.replace(plain, gate_up_splits=4, down_splits=4)
+    plain = dataclasses.replace(fused._moe_blocks(batch, True), shared_splits=1)
+    split = dataclasses.replace(plain, gate_up_splits=4, down_splits=4, shared_splits=7)
     unsplit_out = torch.empty_like(h)
     fused_moe(h, ids, routing, *experts, unsplit_out, c.expert_offset, plain)
     out = torch.empty_like(h)

@@ -561,7 +561,7 @@ def _soft_kernel(
 # The 2026-12-03 sweep (docs/mla_moe_notes.md): wider gate_up programs won at batch 1, and
 # every split-K variant lost (111-274 µs at batch 1 against 90 unsplit), so one is kept as a check.
 MOE_TILES_SMALL = [
-    (32, 128, 32, 128, 4, 4),  # the plan for batch <= 16
+    (32, 128, 32, 128, 4, 4),  # the plan for batch 5-16 (at <= 4 with shared splits 14)
     (16, 128, 32, 128, 4, 4),
     (16, 128, 32, 128, 4, 6),
     (8, 128, 32, 128, 4, 4),

@@ -284,14 +284,13 @@ def _moe_blocks(batch: int, on_gpu: bool) -> MoeBlocks:
     # <= 16: 32 features (64 weight rows) per gate_up program, 32 outputs per down program, K
     # steps of 128, 4 stages: 82 / 175 µs at batch 1 / 8 in the 2026-12-03 sweep of 15 tilings,
     # against 90 / 175 for 16 features and 6 stages (the earlier pick), and 111-274 µs at batch
-    # 1 with the gate_up or down split over K (split-K stays off). That sweep drew 1-3 routed
-    # experts per launch; a launch with the shared expert alone (8 programs at these tiles)
-    # is not timed yet: the sweep now times it at batch 1.
+    # 1 with every item split over K (so the routed experts' items stay whole).
     # Batch <= 4: the shared expert's 8 tiles split 14 ways over the hidden dim (112 programs
     # of 64 KB). When no token chooses a local expert (a third of the layers at batch 1, one in
     # eight at batch 2) its tiles are the whole gate_up kernel, and unsplit they ran 8 programs
-    # of 917 KB each: 25 µs at 436 GB/s for the MoE at batch 1 (2026-12-03 sweep; the
-    # 2026-12-04 sweep times 4-28 splits, docs/runs/2026-12-04-shared-split/).
+    # of 917 KB each: the MoE at batch 1 took 24.7 µs (445 GB/s), split 14 ways 10.6, and with
+    # local experts chosen the same as unsplit (2026-12-04 sweep of 4-28 splits,
+    # docs/runs/2026-12-04-shared-split/). Batch 8 was within 2% either way: unsplit.
     if batch <= 16:
         shared_splits = 14 if batch <= 4 else 1
         return MoeBlocks(

@@ -3,8 +3,9 @@
     route     router partial sums -> logits (fp32) -> sigmoid scores; the top_k of
               score + correction bias (the bias steers the choice only), weights = the chosen
               unbiased scores, normalized, x routed_scaling_factor.     one program per token
-    gate_up   work item (expert, intermediate block j): the tokens that chose the expert (read
-              from the routing table on the device), h2 @ [gate; up]_e rows of block j,
+    gate_up   tile (expert, intermediate block j), one work item per K split (one unless
+              split, below): the tokens that chose the expert (read from the routing table
+              on the device), h2 @ [gate; up]_e rows of block j,
               SiLU(gate) * up -> act[token, slot of e, block j]. The items are those of the
               shared expert (every token, slot top_k, its own narrower intermediate size) and
               of the local experts some token chose, in expert order: each program builds that
@@ -222,23 +223,23 @@ def _nth_expert(rank, n, BLOCK_E: tl.constexpr):
 @triton.jit
 def _last_split_sum(
     acc,
-    partial_ptr,  # (tiles, SPLIT_STRIDE, BLOCK_M, BLOCK_N) fp32 workspace
+    partial_ptr,  # (slots, BLOCK_M, BLOCK_N) fp32 workspace: a tile's splits in a row
     counter_ptr,  # (tiles,) int32, zero between launches
     tile,  # the down kernel's output tile, or the gate_up kernel's (expert, feature block)
+    first_slot,  # the workspace slot of the tile's split 0
     split,  # which of the tile's n_splits this is
     n_splits,
     rows,
     row_mask,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT_STRIDE: tl.constexpr,  # >= n_splits: the workspace's splits per tile
 ):
     """Split-K without atomics on the data: store this split's partial tile, count in on the
     tile's counter; (the sum of every split's partial in split order, whether this split
     arrived last). The last one also resets the counter, so the next launch (a graph replay)
     finds it at zero."""
     cols = tl.arange(0, BLOCK_N)
-    tile_at = partial_ptr + tl.cast(tile, tl.int64) * SPLIT_STRIDE * BLOCK_M * BLOCK_N
+    tile_at = partial_ptr + tl.cast(first_slot, tl.int64) * BLOCK_M * BLOCK_N
     at = rows[:, None] * BLOCK_N + cols[None, :]
     mask = row_mask[:, None]
     tl.store(tile_at + split * BLOCK_M * BLOCK_N + at, acc, mask=mask)
@@ -264,7 +265,7 @@ def _gate_up_kernel(
     w13_ptr,  # (E, 2 INTER, D) bf16: [gate; up] per local expert
     shared_ptr,  # (2 I_S, D) bf16: the shared expert's [gate; up]
     act_ptr,  # (B, TOP_K + 1, INTER) bf16 out: slot TOP_K is the shared expert's
-    partial_ptr,  # split items: (tiles, SPLIT_STRIDE, BLOCK_M, 2 BLOCK_I) fp32 workspace
+    partial_ptr,  # split items: (items, BLOCK_M, 2 BLOCK_I) fp32 workspace, a slot per item
     counter_ptr,  # split items: (tiles,) int32, zero between launches
     B,
     D,
@@ -285,7 +286,6 @@ def _gate_up_kernel(
     K_SPLITS: tl.constexpr,  # items per routed (expert, feature block)
     SHARED_TILES: tl.constexpr,  # the shared expert's feature blocks, whose items come first
     SHARED_SPLITS: tl.constexpr,  # items per shared feature block
-    SPLIT_STRIDE: tl.constexpr,  # the larger of K_SPLITS and SHARED_SPLITS
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -339,13 +339,13 @@ def _gate_up_kernel(
                     partial_ptr,
                     counter_ptr,
                     counter,
+                    item - split,  # a tile's items are consecutive: its split 0's slot
                     split,
                     n_splits,
                     rows,
                     chosen,
                     BLOCK_M,
                     2 * BLOCK_I,
-                    SPLIT_STRIDE,
                 )
         if last:
             _store_act(
@@ -506,13 +506,13 @@ def _down_kernel(
             partial_ptr,
             counter_ptr,
             col_block,
+            col_block * K_SPLITS,
             tl.program_id(2),
             K_SPLITS,
             rows,
             row_mask,
             BLOCK_M,
             BLOCK_N,
-            K_SPLITS,
         )
     else:
         last = True
@@ -589,14 +589,15 @@ def fused_moe(
     shared_k_per_split, shared_splits = k_splits(hidden, blocks.shared_splits, blocks.gate_up_k)
     most_items = shared_tiles * shared_splits + (most_tiles - shared_tiles) * splits
     programs = min(most_items, blocks.gate_up_programs or most_items)
-    split_stride = max(splits, shared_splits)
     partial, counters = act, act  # unused unless split
-    if split_stride > 1:
+    if max(splits, shared_splits) > 1:
+        # a slot per item and a counter per tile, for the items up to the last split one: only
+        # the shared expert's when the routed tiles are whole (the plan at small batch)
+        split_items = most_items if splits > 1 else shared_tiles * shared_splits
+        split_tiles = most_tiles if splits > 1 else shared_tiles
         tile_size = blocks.block_m * 2 * blocks.gate_up_cols
-        partial = torch.empty(
-            most_tiles, split_stride, tile_size, device=h.device, dtype=torch.float32
-        )
-        counters = split_counters(h.device, most_tiles)
+        partial = torch.empty(split_items, tile_size, device=h.device, dtype=torch.float32)
+        counters = split_counters(h.device, split_tiles)
     _gate_up_kernel[(programs,)](
         h,
         ids,
@@ -618,7 +619,6 @@ def fused_moe(
         K_SPLITS=splits,
         SHARED_TILES=shared_tiles,
         SHARED_SPLITS=shared_splits,
-        SPLIT_STRIDE=split_stride,
         **common,
         **pdl_options(h.device),
     )

@@ -1,6 +1,7 @@
-"""measure_case's cross-checks see the timed work: the profile, the wall clock and the eager
-times run on the inputs the events timed, and only then do fresh inputs test for stale outputs.
-(A MoE's time depends on its routing: on other inputs a profile measures other work.)"""
+"""measure_case's cross-checks see the timed work: the profile and the eager times (and on a
+GPU the wall clock, between them) run on the inputs the events timed, and only then do fresh
+inputs test for stale outputs. (A MoE's time depends on its routing: on other inputs a profile
+measures other work.)"""
 
 from __future__ import annotations
 

@@ -513,7 +513,7 @@ def test_routing_picks_the_biased_top_k_and_weighs_by_the_unbiased_scores() -> N
 
 @pytest.mark.parametrize(("programs", "cols"), [(0, 64), (3, 64), (0, 16)])
 @pytest.mark.parametrize(("splits", "shared_splits"), [(1, 1), (3, 2), (1, 3)])
-@pytest.mark.parametrize("batch", [1, 3, 64])
+@pytest.mark.parametrize("batch", [1, 2, 3, 64])
 def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     batch: int, splits: int, shared_splits: int, programs: int, cols: int
 ) -> None:
@@ -524,7 +524,7 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     NaN. programs 3: gate_up's grid capped at 3 programs, each looping over many items. cols
     16: 16 features per item, so the shared expert (32 wide) has two items, the routed ones
     six each (96), and an item mapped to the wrong feature block shows. Split 3
-    ways: the gate_up's hidden dimension (320) over 3 programs per item and the down's
+    ways: the gate_up's hidden dimension (320) over 3 items per feature block and the down's
     intermediate dimensions (96 and 32, K steps of 64) over 2, each summed by the tile's last
     split; every tile's counter is back at zero afterwards, and a second call gives the same
     bits. shared_splits: the shared expert's tiles split apart from the routed ones', 2 ways
@@ -535,11 +535,14 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     w = _expert_weights(c, gen)
     # at batch 3 the tokens choose among 6 global experts, of them local 5 and 7 (ids 21, 23);
     # at batch 1 the one token takes 6 with local 6 and 7 among them (ids 22, 23);
+    # at batch 2 no local expert at all: the shared expert's items are the whole gate_up;
     # at batch 64 among all but three, so most local experts are chosen
     if batch == 64:  # every expert but local 0, 1 and 6 (global 16, 17, 22)
         pool = torch.tensor([e for e in range(c.experts_total) if e not in (16, 17, 22)])
     elif batch == 1:
         pool = torch.tensor([0, 22, 23, 40, 50, 63])
+    elif batch == 2:
+        pool = torch.tensor([0, 1, 2, 40, 50, 63])
     else:
         pool = torch.tensor([0, 21, 23, 40, 50, 63])
     ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[: c.top_k]] for _ in h])

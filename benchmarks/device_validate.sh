@@ -10,6 +10,9 @@
 #       evidence and report once it has finished, and the log) to $OUT. Keep SECONDS well
 #       inside the call's limit_s, which shrinks to the device time left.
 #
+# Call `start` and the first `wait` in the same device call: a machine left idle between calls
+# for more than its idle release (30 s) is taken back, and the run with it (2026-12-04).
+#
 # To continue in a later session: carry pathgate-out/device-validate/checkpoint.json (the
 # device call's `carry`) and run `start` again with the same options; no Python file outside
 # the tests may change in between, or the resume is refused.

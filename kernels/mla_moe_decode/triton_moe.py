@@ -316,8 +316,9 @@ def _gate_up_kernel(
         w_rows = w_base + ((pair % 2) * inter + feature)[:, None] * D  # (2 BLOCK_I, 1)
         f_mask = feature < inter
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_I), dtype=tl.float32)
-        k_start = split * tl.where(is_shared, shared_k_per_split, k_per_split)
-        k_end = tl.minimum(k_start + tl.where(is_shared, shared_k_per_split, k_per_split), D)
+        k_per_item = tl.where(is_shared, shared_k_per_split, k_per_split)
+        k_start = split * k_per_item
+        k_end = tl.minimum(k_start + k_per_item, D)
         for first in range(k_start, k_end, BLOCK_K):
             ks = first + tl.arange(0, BLOCK_K)
             k_mask = ks < D

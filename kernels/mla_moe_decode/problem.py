@@ -87,17 +87,21 @@ class Problem:
         }
 
     def bytes_moved(self, case: Case) -> int:
-        """Expected fewest bytes per layer: every dense weight, the local experts that
-        uniformly spread routing activates on average (`expected_local_experts`), one read
-        of the KV cache (under decode CP, of the largest rank's slice), the inputs and
-        outputs. `floor_bytes` is the exact count for given inputs."""
+        """Expected fewest bytes per layer: `layer_bytes` with the local experts that uniformly
+        spread routing activates on average (`expected_local_experts`). `floor_bytes` is the
+        exact count for given inputs."""
+        return round(self.layer_bytes(case, expected_local_experts(self.config, case.batch)))
+
+    def layer_bytes(self, case: Case, local_experts: float) -> float:
+        """Fewest bytes per layer when routing activates `local_experts` of this GPU's experts:
+        every dense weight, those experts, one read of the KV cache (under decode CP, of the
+        largest rank's slice), the inputs and outputs."""
         c, dtype = self.config, _dtype(case)
         dense, per_expert = _weight_bytes(c, dtype)
-        experts = expected_local_experts(c, case.batch)
         # under decode CP a rank reads its slice; the largest (near_equal_sizes) sets the pace
         slice_tokens = -(-_context(case) // case.cp)
         kv_bytes = case.batch * slice_tokens * c.latent_dim * _itemsize(dtype)
-        return round(dense + experts * per_expert + kv_bytes + _io_bytes(c, case.batch, dtype))
+        return dense + local_experts * per_expert + kv_bytes + _io_bytes(c, case.batch, dtype)
 
     def floor_bytes(self, case: Case, weights: Tensors, inputs: Tensors) -> int:
         """The bytes any path must read or write for these inputs: every dense weight, each

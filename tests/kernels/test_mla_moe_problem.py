@@ -323,6 +323,9 @@ def test_bytes_moved_at_kimi_k2_shard_size() -> None:
     # decode CP: each rank reads its slice, the largest sets the pace (8193 = 2049 + 3 x 2048)
     at_cp4 = Case(1, 8193, cp=4, gpus=4, dtype="bfloat16", gpu="H200")
     assert problem.bytes_moved(at_cp4) == round(dense + per_expert + 2049 * 576 * 2 + io)
+    # a given routing draw: none, or three of this GPU's experts
+    assert problem.layer_bytes(case, 0) == dense + kv + io
+    assert problem.layer_bytes(case, 3) == dense + 3 * per_expert + kv + io
 
 
 def test_the_second_decode_step_sees_the_first_steps_token_in_its_window() -> None:

@@ -27,6 +27,9 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
     python3 benchmarks/mla_moe_device_check.py --sweep-attention  # instead of parts 1 and 2:
         the split-KV attention + combine alone at batch 1 and 8 in each ATTENTION_VARIANTS tiling
         (--batches 16 64: above batch 8, each ATTENTION_VARIANTS_LARGE tiling)
+    python3 benchmarks/mla_moe_device_check.py --sweep-combine  # instead of parts 1 and 2:
+        the attention combine alone (over real split partials) in each COMBINE_VARIANTS
+        program shape, and q_absorb in each ABSORB_COLUMNS width, at batch 1, 8, 64
     python3 benchmarks/mla_moe_device_check.py --sweep-router   # instead of parts 1 and 2:
         the router GEMV + routing at batch 1, 8, 64 in each ROUTER_VARIANTS tiling
     python3 benchmarks/mla_moe_device_check.py --sweep-pdl      # instead of parts 1 and 2:
@@ -71,6 +74,8 @@ from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem, activated_local_experts
 from kernels.mla_moe_decode.triton_attention import (
     AttentionBlocks,
+    _combine,
+    _split_partials,
     latent_prep,
     mla_attention,
     q_absorb,
@@ -306,9 +311,17 @@ def _check_latent_prep(
 
 
 def _check_q_absorb(
-    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target
+    c: LayerConfig,
+    w: Tensors,
+    batch: int,
+    gen: torch.Generator,
+    t: Target,
+    blocks: AttentionBlocks | None = None,
 ) -> KernelCheck:
+    """`blocks`: column blocks other than the fused path's plan."""
     plan = _plan(c, batch, 1024, t)
+    if blocks is not None:
+        plan = replace(plan, attention=blocks)
     heads, nope, rope, lora = c.heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
     width = heads * c.qk_head_dim
     parts = torch.randn(plan.q_b.splits, batch, width, generator=gen, device=t.device)
@@ -327,7 +340,9 @@ def _check_q_absorb(
         return _errors(q_lat, torch.cat([absorbed, _rope_f64(q_pe, positions[:, None], c)], -1))
 
     moved = kv_b.nbytes // 2 + parts.nbytes + q_lat.nbytes
-    return KernelCheck("q_nope @ W_UK + RoPE(q)", "Triton", run, {"kv_b": kv_b}, moved, errors)
+    note = f"{plan.attention.absorb_cols} latent columns per program"
+    name = "q_nope @ W_UK + RoPE(q)"
+    return KernelCheck(name, "Triton", run, {"kv_b": kv_b}, moved, errors, note)
 
 
 def _check_attention(
@@ -359,6 +374,41 @@ def _check_attention(
     note = f"{plan.splits} context splits of {plan.tokens_per_split} tokens"
     name = f"MLA split-KV + combine (T={context}, 2 kernels)"
     return KernelCheck(name, "Triton", run, {"cache": cache}, cache.nbytes, errors, note)
+
+
+def _check_combine(
+    c: LayerConfig,
+    w: Tensors,
+    batch: int,
+    gen: torch.Generator,
+    t: Target,
+    context: int,
+    blocks: AttentionBlocks,
+) -> KernelCheck:
+    """The combine kernel alone, over the split kernel's real partials (computed once)."""
+    q_lat = _randn((batch, c.heads, c.latent_dim), gen, t, 2.0)
+    cache = _randn((batch, context, c.latent_dim), gen, t)
+    kv_new = _randn((batch, c.latent_dim), gen, t)
+    o_lat = torch.empty(batch, c.heads, c.kv_lora_rank, dtype=BF16, device=t.device)
+    scale = c.qk_head_dim**-0.5
+    stats, partial = _split_partials(q_lat, cache, c.kv_lora_rank, scale, blocks)
+
+    def run(s: Tensors) -> None:
+        _combine(s["stats"], s["partial"], q_lat, kv_new, o_lat, None, scale, blocks)
+
+    def errors() -> tuple[float, float]:
+        wide_q, wide_cache, wide_new = (x.float() for x in (q_lat, cache, kv_new))
+        expected = stock._latent_attention(wide_q, wide_cache, wide_new, c.kv_lora_rank, scale)
+        return _errors(o_lat, expected)
+
+    moved = stats.nbytes + partial.nbytes + o_lat.nbytes
+    note = (
+        f"{blocks.splits} splits; {blocks.combine_heads} heads x {blocks.combine_cols} columns "
+        f"per program, {blocks.combine_splits} splits per step"
+    )
+    name = f"MLA combine (T={context})"
+    streamed = {"stats": stats, "partial": partial}
+    return KernelCheck(name, "Triton", run, streamed, moved, errors, note)
 
 
 def _check_w_uv(
@@ -623,7 +673,8 @@ def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow
 
 # (cached tokens per tile, (token, split) programs per SM, least tiles per split, warps,
 # stages, latent columns per combine program, splits per combine step); the first is the plan
-# at batch <= 8 since the 2026-12-03 sweep, the second the plan above 8 until the next sweep
+# at batch <= 8 since the 2026-12-03 sweep (its combine since 2026-12-04: --sweep-combine), the
+# second the plan above 8 until the next sweep
 ATTENTION_VARIANTS = [
     (64, 1, 1, 4, 3, 32, 128),
     (32, 2, 2, 4, 2, 128, 32),
@@ -702,6 +753,52 @@ def sweep_attention(
                 row.note = f"variant {variant}; {blocks.splits} splits of {blocks.tokens_per_split}"
                 rows.append(row)
                 _print_kernel_row(row)
+    return rows
+
+
+# --sweep-combine: the combine's and q_absorb's programs, timed as part 1. Both are small
+# kernels that took 10.5 and 11.9 µs at batch 64 x 1024 in the ninth session's profile, for a
+# few MB: the combine ran one program per (token, head, 128 columns), 2048 at batch 64, each a
+# chain of dependent loads. (heads, latent columns, splits per step) per combine program; the
+# first two are the plans at batch <= 8 and above.
+COMBINE_VARIANTS = [
+    (1, 32, 128),
+    (1, 128, 32),
+    (1, 64, 64),
+    (1, 256, 32),
+    (2, 128, 16),
+    (4, 128, 8),
+    (4, 64, 32),
+    (8, 128, 8),
+    (8, 64, 16),
+    (8, 32, 32),
+]
+ABSORB_COLUMNS = [64, 32, 128, 256]  # the first is the plan
+
+
+def sweep_combine(
+    problem: Problem, batches: list[int], contexts: list[int], t: Target
+) -> list[KernelRow]:
+    c = problem.config
+    weights = {"kv_b_proj": problem.make_weights(_case(1, 1024, t), 0, t.device)["kv_b_proj"]}
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            plan = _plan(c, batch, context, t).attention
+            for heads, cols, per_step in COMBINE_VARIANTS if t.on_gpu else COMBINE_VARIANTS[:2]:
+                blocks = replace(
+                    plan, combine_heads=heads, combine_cols=cols, combine_splits=per_step
+                )
+                gen = torch.Generator(device=t.device).manual_seed(batch)
+                build = partial(_check_combine, context=context, blocks=blocks)
+                rows.append(_soft_kernel(build, c, {}, batch, gen, t))
+                _print_kernel_row(rows[-1])
+        plan = _plan(c, batch, 1024, t).attention
+        for cols in ABSORB_COLUMNS if t.on_gpu else ABSORB_COLUMNS[:2]:
+            gen = torch.Generator(device=t.device).manual_seed(batch)
+            build = partial(_check_q_absorb, blocks=replace(plan, absorb_cols=cols))
+            rows.append(_soft_kernel(build, c, weights, batch, gen, t))
+            _print_kernel_row(rows[-1])
     return rows
 
 
@@ -1193,6 +1290,10 @@ def main() -> None:
         print("== router GEMV + routing", flush=True)
         kernel_rows = sweep_router(problem, args.batches or [1, 8, 64], t)
         args.only_kernels = True
+    elif args.sweep_combine:
+        print("== combine and q_absorb programs", flush=True)
+        kernel_rows = sweep_combine(problem, args.batches or [1, 8, 64], contexts, t)
+        args.only_kernels = True
     elif args.sweep_attention:
         print("== split-KV attention", flush=True)
         small_batches = args.batches or ([1, 8] if t.on_gpu else [1, 2])
@@ -1247,6 +1348,11 @@ def _parse_args() -> argparse.Namespace:
         help="instead of parts 1 and 2: the split-KV attention's splits and tiles (--batches)",
     )
     parser.add_argument(
+        "--sweep-combine",
+        action="store_true",
+        help="instead of parts 1 and 2: the attention combine's and q_absorb's programs",
+    )
+    parser.add_argument(
         "--sweep-router",
         action="store_true",
         help="instead of parts 1 and 2: the router GEMV's tiles and K splits with the routing",
@@ -1255,8 +1361,9 @@ def _parse_args() -> argparse.Namespace:
         "--batches",
         type=int,
         nargs="+",
-        help="the batches of --sweep-attention, --sweep-moe, --sweep-router and --profile-fused "
-        "(on the GPU by default 1 8, 1 8 64, 1 8 64 and 1 4 8; the other runs ignore it)",
+        help="the batches of --sweep-attention, --sweep-moe, --sweep-router, --sweep-combine "
+        "and --profile-fused (on the GPU by default 1 8, 1 8 64, 1 8 64, 1 8 64 and 1 4 8; the "
+        "other runs ignore it)",
     )
     parser.add_argument(
         "--sweep-pdl",

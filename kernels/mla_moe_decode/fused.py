@@ -242,28 +242,38 @@ def _attention_blocks(
     context = max(context, 1)  # a decode-CP rank's empty slice: one split that holds no token
     if on_gpu:
         # From the H200 sweeps of 2026-12-03 (`--sweep-attention`, docs/mla_moe_notes.md).
-        # Batch <= 8: 64-token tiles, 3 stages, about one (token, split) program per SM, and a
-        # combine of 32 columns that takes up to 128 splits per step: split + combine in 7.9 /
-        # 10.7 / 18.5 µs at batch 1 and contexts 1k / 8k / 32k, 11.5 / 29.6 / 93.3 at batch 8.
+        # Batch <= 8: 64-token tiles, 3 stages, about one (token, split) program per SM, and
+        # (then) a combine of 32 columns that takes up to 128 splits per step: split + combine
+        # in 7.9 / 10.7 / 18.5 µs at batch 1 and contexts 1k / 8k / 32k, 11.5 / 29.6 / 93.3
+        # at batch 8.
         # Batch > 8: 32-token tiles, 3 stages, min(16, context / 128) splits per token (rounded
         # up, so a short context's splits may hold fewer than 4 tiles): from about 2k tokens
         # the program count grows with the batch (256 at 16, 1024 at 64), so the last wave is a
         # small part of the launch. The sweep's nearest variant (17 splits of 1952 tokens) took
         # 671 µs at batch 64 x 32768 (3.6 TB/s) against 939 for the earlier rule (two programs
         # per SM: 5 splits, 320 programs); run 6 of the validate timed this plan in the layer.
+        # The combine and q_absorb programs from `--sweep-combine` (2026-12-04, each kernel
+        # alone, docs/runs/2026-12-04-combine/): at batch 64 the combine took 11.6 / 14.2 /
+        # 15.0 µs at 1k / 8k / 32k with 128 columns per program and 7.3 / 12.8 / 13.9 with
+        # 256; at batch 8 (16 splits) 4.2 with 32 columns and 3.7 with 64 columns and 64
+        # splits per step, while at batch 1 x 32k (128 splits) 32 columns stayed best (3.2
+        # against 4.3). q_absorb at batch 64: 12.3 µs with 64 columns, 9.0 with 128; at batch
+        # 1 and 8, 64 stayed best.
+        absorb_cols = 128 if batch > 32 else 64
         if batch <= 8:
-            block_t, stages, combine_cols, combine_splits = 64, 3, 32, 128
+            block_t, stages = 64, 3
             # at most one wave: cdiv here gave batch 8 17 splits (136 programs on 132 SMs),
             # a second wave that cost 0.59 of the floor at 8 x 20335 (run 7)
             splits = min(max(1, sm_count // batch), triton.cdiv(context, block_t))
+            combine_cols, combine_splits = (64, 64) if splits <= 64 else (32, 128)
         else:
-            block_t, stages, combine_cols, combine_splits = 32, 3, 128, 32
+            block_t, stages, combine_cols, combine_splits = 32, 3, 256, 32
             splits = min(16, triton.cdiv(context, 4 * block_t))
         tokens = triton.cdiv(triton.cdiv(context, splits), block_t) * block_t
         return AttentionBlocks(
             block_m, block_h, block_t, triton.cdiv(context, tokens), tokens,
             combine_heads=1, combine_splits=combine_splits, combine_cols=combine_cols,
-            absorb_cols=64, uv_cols=32, split_warps=4, split_stages=stages,
+            absorb_cols=absorb_cols, uv_cols=32, split_warps=4, split_stages=stages,
         )  # fmt: skip
     # The interpreter pays per program and per op: few, large programs, but still two context
     # splits and a two-step merge loop, so the CPU tests run every path of the GPU's kernels.

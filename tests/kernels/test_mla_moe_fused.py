@@ -422,15 +422,18 @@ def _rope_f64(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.T
     return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
 
 
+@pytest.mark.parametrize("gpu_plan", [False, True])
 @pytest.mark.parametrize("batch", [5, 37])  # one block of 16 tokens, and three (one partial)
-def test_q_absorb_builds_the_latent_query(batch: int) -> None:
+def test_q_absorb_builds_the_latent_query(batch: int, gpu_plan: bool) -> None:
+    """gpu_plan: the H200's column blocks (above batch 32 wider than this layer's latent, so
+    one masked block), run by the interpreter."""
     c, gen = LAYER, torch.Generator().manual_seed(2)
     heads, nope, rope, lora = c.heads, c.qk_nope_head_dim, 16, c.kv_lora_rank
     parts = torch.randn(2, batch, heads * (nope + rope), generator=gen)
     kv_b = (torch.randn(heads * (nope + c.v_head_dim), lora, generator=gen) / 8).to(BF16)
     positions = torch.randint(0, 33000, (batch,), generator=gen)
     turns = fused.rope_turns(CPU, rope, c.rope_theta)
-    plan = fused.layer_plan(LAYER, batch, 8, on_gpu=False, sm_count=0)
+    plan = fused.layer_plan(LAYER, batch, 8, on_gpu=gpu_plan, sm_count=132)
     q_lat = torch.full(
         (batch, heads, lora + rope), float("nan"), dtype=BF16
     )  # a skipped block shows

@@ -84,3 +84,19 @@ def test_precision_probe_finds_the_fused_path_no_further_from_float64_than_eager
     [decode] = record["decode"]  # 2 sequences x 4 steps: too few tokens for its verdict
     for path in ("stock", "candidate"):
         assert decode[f"{path}_kl_from_reference"] >= 0
+
+
+def test_combine_sweep_checks_each_program_shape_against_the_reference(tmp_path: Path) -> None:
+    out = tmp_path / "combine.json"
+    args = ("--small", "--quick", "--sweep-combine", "--batches", "9", "--out", str(out))
+    _run("mla_moe_device_check.py", *args)
+    rows = json.loads(out.read_text())["kernels"]
+    # one context, two combine shapes and two q_absorb widths on the CPU
+    assert [r["kernel"].split(" (")[0] for r in rows] == ["MLA combine"] * 2 + [
+        "q_nope @ W_UK + RoPE(q)"
+    ] * 2
+    assert all(r["error"] is None and r["relative_error"] < 0.01 for r in rows)
+    assert {r["note"] for r in rows[2:]} == {
+        "32 latent columns per program",
+        "64 latent columns per program",
+    }

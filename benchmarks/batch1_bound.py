@@ -1,0 +1,220 @@
+"""The best floor fraction a layer of K dependent kernels can reach at batch 1, and how often a
+validate's batch-1 cases could all meet the issue's 0.70 with it.
+
+A layer of K plain-launched kernels in a CUDA graph takes at least its floor (the bytes its
+routing draw needs, at the measured bandwidth) plus K - 1 kernel boundaries, each costing what
+`launch_floor.py` measured for a dependent kernel that moves nothing:
+
+    best fraction = floor / (floor + (K - 1) x per-kernel cost)
+
+At batch 1 the floor depends mostly on how many of this GPU's experts the token chose: each one
+is 88 MB, the rest of the layer about 68 MB plus the cache. This script reads
+
+  - a launch_floor.json (per-kernel cost, plain and with programmatic dependent launch), and
+  - a validate's evidence (each batch-1 case's bytes, bandwidth, layers, measured fraction),
+
+and prints, per batch-1 case, the bound for its own draw next to what the fused path reached;
+then, from the routing draw (8 of the experts_total ids per token, `experts` of them local:
+hypergeometric), the probability that a perfect K-kernel layer meets the target at each context
+and at all of them in one validate. Nothing here runs on a GPU: every number comes from the two
+measured files and the problem's byte counts (Problem.layer_bytes).
+
+    python3 benchmarks/batch1_bound.py \\
+        --launch-floor docs/runs/2026-12-03-launch-floor/launch_floor.json \\
+        --evidence docs/runs/2026-12-04-kimi-k2-h200-full-12/evidence.json.gz \\
+        [--kernels 14 15 8] [--target 0.7] [--out pathgate-out/benchmarks/batch1_bound.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness.evaluation.cases import Case
+from kernels.mla_moe_decode.config import LayerConfig
+from kernels.mla_moe_decode.problem import Problem
+
+MODES = ("off", "exit")  # plain launches, and PDL released as programs exit (launch_floor.py)
+
+
+def per_kernel_costs(launch_floor: dict[str, Any]) -> dict[str, float]:
+    """µs per dependent kernel by launch mode, from the widest chains (one program per SM, as
+    the layer's kernels have)."""
+    widest = max(row["programs"] for row in launch_floor["chains"])
+    return {
+        row["mode"]: row["per_kernel_us"]
+        for row in launch_floor["chains"]
+        if row["programs"] == widest and row["mode"] in MODES
+    }
+
+
+def best_fraction(floor_us: float, kernels: int, per_kernel_us: float) -> float:
+    return floor_us / (floor_us + (kernels - 1) * per_kernel_us)
+
+
+def local_expert_pmf(c: LayerConfig) -> list[float]:
+    """P(n of this GPU's experts among one token's top_k distinct ids), n = 0..top_k, for
+    uniformly spread routing: hypergeometric (experts_total ids, experts local, top_k draws)."""
+    remote = c.experts_total - c.experts
+    total = math.comb(c.experts_total, c.top_k)
+    ways = [math.comb(c.experts, n) * math.comb(remote, c.top_k - n) for n in range(c.top_k + 1)]
+    return [w / total for w in ways]
+
+
+def case_pmf(c: LayerConfig, layers: int) -> list[float]:
+    """P(n local experts over a case's `layers` layers, each drawn independently)."""
+    one = local_expert_pmf(c)
+    pmf = [1.0]
+    for _ in range(layers):
+        pmf = [
+            sum(pmf[i] * one[n - i] for i in range(len(pmf)) if 0 <= n - i < len(one))
+            for n in range(len(pmf) + len(one) - 1)
+        ]
+    return pmf
+
+
+def chance_to_meet(
+    problem: Problem,
+    case: Case,
+    layers: int,
+    bytes_per_s: float,
+    kernels: int,
+    per_kernel_us: float,
+    target: float,
+) -> float:
+    """P(a perfect `kernels`-kernel layer reaches `target` of the floor on a case of `layers`
+    layers): the case's floor is the layers' mean, so it needs enough local experts in total."""
+    pmf = case_pmf(problem.config, layers)
+    met = 0.0
+    for n, p in enumerate(pmf):
+        floor_us = 1e6 * problem.layer_bytes(case, n / layers) / bytes_per_s
+        if best_fraction(floor_us, kernels, per_kernel_us) >= target:
+            met += p
+    return met
+
+
+def batch1_rows(evidence: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for case in evidence["cases"]:
+        perf = case.get("performance") or {}
+        if case["batch"] != 1 or not perf.get("hbm_bytes_per_s") or not perf.get("bytes_moved"):
+            continue
+        rows.append(
+            {
+                "context": case["context"],
+                "origin": case["origin"],
+                "layers": perf["layers"],
+                "bytes_per_layer": perf["bytes_moved"],
+                "bytes_per_s": perf["hbm_bytes_per_s"],
+                "fused_us": perf["candidate_us_median"],
+                "fused_fraction": perf["candidate_hbm_fraction"],
+            }
+        )
+    return sorted(rows, key=lambda r: r["context"])
+
+
+def bounds(
+    launch_floor: dict[str, Any], evidence: dict[str, Any], kernel_counts: list[int], target: float
+) -> dict[str, Any]:
+    problem = Problem(evidence["manifest"]["model"]["config"])
+    c = problem.config
+    costs = per_kernel_costs(launch_floor)
+    rows = batch1_rows(evidence)
+    per_expert = problem.layer_bytes(_case(1024), 1) - problem.layer_bytes(_case(1024), 0)
+    for row in rows:
+        case = _case(row["context"])
+        floor_us = 1e6 * row["bytes_per_layer"] / row["bytes_per_s"]
+        row["floor_us"] = floor_us
+        row["local_experts_per_layer"] = (
+            row["bytes_per_layer"] - problem.layer_bytes(case, 0)
+        ) / per_expert
+        row["best"] = {
+            f"{k} {mode}": best_fraction(floor_us, k, cost)
+            for k in kernel_counts
+            for mode, cost in costs.items()
+        }
+        row["chance"] = {
+            f"{k} {mode}": chance_to_meet(
+                problem, case, row["layers"], row["bytes_per_s"], k, cost, target
+            )
+            for k in kernel_counts
+            for mode, cost in costs.items()
+        }
+    keys = rows[0]["chance"] if rows else {}
+    all_contexts = {key: math.prod(row["chance"][key] for row in rows) for key in keys}
+    return {
+        "target": target,
+        "per_kernel_us": costs,
+        "local_expert_pmf": local_expert_pmf(c),
+        "expert_bytes": per_expert,
+        "cases": rows,
+        "chance_all_contexts": all_contexts,
+        "launch_floor_device": launch_floor.get("device"),
+        "evidence_seed": evidence["run"]["seed"],
+        "evidence_command": evidence["run"]["command"],
+    }
+
+
+def _case(context: int) -> Case:
+    return Case(1, context, 1, 1, "bfloat16", "H200", config={})
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    costs = ", ".join(f"{m} {us:.2f} µs" for m, us in result["per_kernel_us"].items())
+    pmf = ", ".join(f"{n}: {p:.3f}" for n, p in enumerate(result["local_expert_pmf"][:4]))
+    print(f"per dependent kernel: {costs}; local experts per layer at batch 1: {pmf}, ...")
+    keys = list(result["chance_all_contexts"])
+    head = " | ".join(f"best {k}" for k in keys)
+    print(f"\n| context | local experts / layer | floor µs | fused | {head} |")
+    print("|---" * (4 + len(keys)) + "|")
+    for row in result["cases"]:
+        best = " | ".join(f"{row['best'][k]:.2f}" for k in keys)
+        print(
+            f"| {row['context']} | {row['local_experts_per_layer']:.1f} | {row['floor_us']:.1f} "
+            f"| {row['fused_fraction']:.2f} | {best} |"
+        )
+    target = result["target"]
+    print(
+        f"\nP(a perfect layer reaches {target:.2f} of the floor), per context and at all of them:"
+    )
+    print(f"| context | {' | '.join(keys)} |")
+    print("|---" * (1 + len(keys)) + "|")
+    for row in result["cases"]:
+        chances = " | ".join(f"{row['chance'][k]:.2f}" for k in keys)
+        print(f"| {row['context']} | {chances} |")
+    all_of = " | ".join(f"{result['chance_all_contexts'][k]:.2f}" for k in keys)
+    print(f"| all | {all_of} |")
+
+
+def _load(path: Path) -> dict[str, Any]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--launch-floor", type=Path, required=True)
+    parser.add_argument("--evidence", type=Path, required=True)
+    parser.add_argument("--kernels", type=int, nargs="+", default=[14, 15, 8])
+    parser.add_argument("--target", type=float, default=0.7)
+    parser.add_argument(
+        "--out", type=Path, default=Path("pathgate-out/benchmarks/batch1_bound.json")
+    )
+    args = parser.parse_args()
+    result = bounds(_load(args.launch_floor), _load(args.evidence), args.kernels, args.target)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_tables(result)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""benchmarks/batch1_bound.py: the batch-1 bound of a K-kernel layer from measured files."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import batch1_bound
+from kernels.mla_moe_decode.config import LayerConfig
+
+LAUNCH_FLOOR = {
+    "chains": [
+        {"programs": 1, "mode": "off", "per_kernel_us": 9.0},  # narrow chains are not used
+        {"programs": 132, "mode": "off", "per_kernel_us": 1.2},
+        {"programs": 132, "mode": "exit", "per_kernel_us": 0.8},
+        {"programs": 132, "mode": "early", "per_kernel_us": 0.7},
+    ]
+}
+
+
+def _evidence(cases: list[tuple[int, int, float]]) -> dict[str, object]:
+    """(batch, context, local experts per layer) per case, at 4e12 B/s and 2 layers."""
+    problem = batch1_bound.Problem({})
+    rows = []
+    for batch, context, experts in cases:
+        layer = problem.layer_bytes(batch1_bound._case(context), experts)
+        rows.append(
+            {
+                "batch": batch,
+                "context": context,
+                "origin": "grid",
+                "performance": {
+                    "layers": 2,
+                    "bytes_moved": round(layer),
+                    "hbm_bytes_per_s": 4e12,
+                    "candidate_us_median": 100.0,
+                    "candidate_hbm_fraction": layer / 4e12 / 100e-6,
+                },
+            }
+        )
+    return {
+        "manifest": {"model": {"config": {}}},
+        "run": {"seed": 7, "command": "pathgate validate ..."},
+        "cases": rows,
+    }
+
+
+def test_the_local_expert_draw_is_hypergeometric() -> None:
+    pmf = batch1_bound.local_expert_pmf(LayerConfig())
+    assert sum(pmf) == pytest.approx(1.0)
+    assert pmf[0] == pytest.approx(math.comb(336, 8) / math.comb(384, 8))  # 0.340
+    assert pmf[0] == pytest.approx(0.340, abs=1e-3) and pmf[1] == pytest.approx(0.397, abs=1e-3)
+    two_layers = batch1_bound.case_pmf(LayerConfig(), 2)
+    assert sum(two_layers) == pytest.approx(1.0) and len(two_layers) == 17
+    assert two_layers[0] == pytest.approx(pmf[0] ** 2)
+
+
+def test_bounds_read_the_widest_chains_and_each_cases_own_draw() -> None:
+    evidence = _evidence([(1, 1024, 0.0), (1, 32768, 1.0), (8, 1024, 7.0)])
+    result = batch1_bound.bounds(LAUNCH_FLOOR, evidence, [14, 8], 0.7)
+    assert result["per_kernel_us"] == {"off": 1.2, "exit": 0.8}
+    rows = result["cases"]
+    assert [r["context"] for r in rows] == [1024, 32768]  # batch 1 only
+    assert [round(r["local_experts_per_layer"], 6) for r in rows] == [0.0, 1.0]
+    floor = rows[0]["floor_us"]
+    assert rows[0]["best"]["14 off"] == pytest.approx(floor / (floor + 13 * 1.2))
+    assert rows[0]["best"]["8 exit"] == pytest.approx(floor / (floor + 7 * 0.8))
+    # no local expert: a 17.5 µs floor, out of reach for 14 plain kernels
+    assert rows[0]["best"]["14 off"] < 0.6
+    for row in rows:  # fewer kernels and cheaper boundaries never lower the chance
+        assert row["chance"]["8 off"] >= row["chance"]["14 off"]
+        assert row["chance"]["14 exit"] >= row["chance"]["14 off"]
+        assert 0.0 <= row["chance"]["14 off"] <= 1.0
+    all_of = result["chance_all_contexts"]["14 off"]
+    assert all_of == pytest.approx(rows[0]["chance"]["14 off"] * rows[1]["chance"]["14 off"])
+
+
+def test_a_target_no_floor_can_reach_has_no_chance_and_zero_has_every_chance() -> None:
+    evidence = _evidence([(1, 1024, 1.0)])
+    problem = batch1_bound.Problem({})
+    case = batch1_bound._case(1024)
+    assert batch1_bound.chance_to_meet(problem, case, 2, 4e12, 14, 1.2, 1.0) == 0.0
+    assert batch1_bound.chance_to_meet(problem, case, 2, 4e12, 14, 1.2, 0.0) == pytest.approx(1)
+    assert batch1_bound.bounds(LAUNCH_FLOOR, evidence, [14], 0.7)["cases"][0]["chance"]

@@ -1,5 +1,6 @@
 """The best floor fraction a layer of K dependent kernels can reach at batch 1, and how often a
-validate's batch-1 cases could all meet the issue's 0.70 with it.
+validate's batch-1 cases could all meet the issue's 0.70 with it; and, at every batch, how far
+above the floor the fused path ran.
 
 A layer of K plain-launched kernels in a CUDA graph takes at least its floor (the bytes its
 routing draw needs, at the measured bandwidth) plus K - 1 kernel boundaries, each costing what
@@ -16,8 +17,9 @@ is 88 MB, the rest of the layer about 68 MB plus the cache. This script reads
 and prints, per batch-1 case, the bound for its own draw next to what the fused path reached;
 then, from the routing draw (8 of the experts_total ids per token, `experts` of them local:
 hypergeometric), the probability that a perfect K-kernel layer meets the target at each context
-and at all of them in one validate. Nothing here runs on a GPU: every number comes from the two
-measured files and the problem's byte counts (Problem.layer_bytes).
+and at all of them in one validate; last, per batch, the fused path's µs above the floor and the
+floor a case needs to meet the target with that much. Nothing here runs on a GPU: every number
+comes from the two measured files and the problem's byte counts (Problem.layer_bytes).
 
     python3 benchmarks/batch1_bound.py \\
         --launch-floor docs/runs/2026-12-03-launch-floor/launch_floor.json \\
@@ -157,9 +159,38 @@ def bounds(
         "cases": rows,
         "chance_all_contexts": all_contexts,
         "launch_floor_device": launch_floor.get("device"),
+        "time_above_floor": time_above_floor(evidence, target),
         "evidence_seed": evidence["run"]["seed"],
         "evidence_command": evidence["run"]["command"],
     }
+
+
+def time_above_floor(evidence: dict[str, Any], target: float) -> list[dict[str, Any]]:
+    """Per batch, the fused path's µs per layer above its case's floor (min, median, max over
+    the contexts), and the floor a case needs for `target` at the median: floor >= above x
+    target / (1 - target). Above batch 1 this time barely moves with the draw, so a draw with
+    few local experts (a small floor) is what misses the target."""
+    above: dict[int, list[float]] = {}
+    for case in evidence["cases"]:
+        perf = case.get("performance") or {}
+        if not perf.get("hbm_bytes_per_s") or not perf.get("bytes_moved"):
+            continue
+        floor_us = 1e6 * perf["bytes_moved"] / perf["hbm_bytes_per_s"]
+        above.setdefault(case["batch"], []).append(perf["candidate_us_median"] - floor_us)
+    rows = []
+    for batch, values in sorted(above.items()):
+        values.sort()
+        middle = values[len(values) // 2]
+        rows.append(
+            {
+                "batch": batch,
+                "above_min_us": values[0],
+                "above_median_us": middle,
+                "above_max_us": values[-1],
+                "floor_needed_us": middle * target / (1 - target),
+            }
+        )
+    return rows
 
 
 def _case(context: int) -> Case:
@@ -191,6 +222,14 @@ def print_tables(result: dict[str, Any]) -> None:
         print(f"| {row['context']} | {chances} |")
     all_of = " | ".join(f"{result['chance_all_contexts'][k]:.2f}" for k in keys)
     print(f"| all | {all_of} |")
+    print("\nFused µs per layer above the floor, by batch (min / median / max over contexts):")
+    print(f"| batch | above the floor µs | floor needed for {target:.2f} at the median µs |")
+    print("|---|---|---|")
+    for row in result["time_above_floor"]:
+        print(
+            f"| {row['batch']} | {row['above_min_us']:.1f} / {row['above_median_us']:.1f} / "
+            f"{row['above_max_us']:.1f} | {row['floor_needed_us']:.0f} |"
+        )
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -83,3 +83,16 @@ def test_a_target_no_floor_can_reach_has_no_chance_and_zero_has_every_chance() -
     assert batch1_bound.chance_to_meet(problem, case, 2, 4e12, 14, 1.2, 1.0) == 0.0
     assert batch1_bound.chance_to_meet(problem, case, 2, 4e12, 14, 1.2, 0.0) == pytest.approx(1)
     assert batch1_bound.bounds(LAUNCH_FLOOR, evidence, [14], 0.7)["cases"][0]["chance"]
+
+
+def test_time_above_the_floor_is_per_batch_and_sets_the_floor_a_case_needs() -> None:
+    evidence = _evidence([(8, 1024, 4.0), (8, 4096, 7.0), (8, 8192, 9.0), (1, 1024, 0.0)])
+    rows = batch1_bound.time_above_floor(evidence, 0.7)
+    assert [r["batch"] for r in rows] == [1, 8]
+    floors = sorted(1e6 * c["performance"]["bytes_moved"] / 4e12 for c in evidence["cases"][:3])
+    above = sorted(100.0 - f for f in floors)  # each case ran 100 µs
+    eight = rows[1]
+    assert eight["above_min_us"] == pytest.approx(above[0])
+    assert eight["above_median_us"] == pytest.approx(above[1])
+    assert eight["above_max_us"] == pytest.approx(above[2])
+    assert eight["floor_needed_us"] == pytest.approx(above[1] * 0.7 / 0.3)

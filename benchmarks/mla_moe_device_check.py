@@ -345,6 +345,32 @@ def _check_q_absorb(
     return KernelCheck(name, "Triton", run, {"kv_b": kv_b}, moved, errors, note)
 
 
+def _attention_scale(c: LayerConfig) -> float:
+    return float(c.qk_head_dim**-0.5)
+
+
+def _attention_operands(
+    c: LayerConfig, batch: int, context: int, gen: torch.Generator, t: Target
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[], tuple[float, float]]
+]:
+    """q_lat, cache, kv_new, the o_lat to write, and errors(): o_lat against the stock path's
+    latent attention in fp32."""
+    q_lat = _randn((batch, c.heads, c.latent_dim), gen, t, 2.0)
+    cache = _randn((batch, context, c.latent_dim), gen, t)
+    kv_new = _randn((batch, c.latent_dim), gen, t)
+    o_lat = torch.empty(batch, c.heads, c.kv_lora_rank, dtype=BF16, device=t.device)
+
+    def errors() -> tuple[float, float]:
+        wide_q, wide_cache, wide_new = (x.float() for x in (q_lat, cache, kv_new))
+        expected = stock._latent_attention(
+            wide_q, wide_cache, wide_new, c.kv_lora_rank, _attention_scale(c)
+        )
+        return _errors(o_lat, expected)
+
+    return q_lat, cache, kv_new, o_lat, errors
+
+
 def _check_attention(
     c: LayerConfig,
     w: Tensors,
@@ -357,19 +383,10 @@ def _check_attention(
     """`blocks`: tiles and splits other than the fused path's plan."""
     context = min(context, fused.CPU_CONTEXT[1]) if t.small else context
     plan = blocks or _plan(c, batch, context, t).attention
-    q_lat = _randn((batch, c.heads, c.latent_dim), gen, t, 2.0)
-    cache = _randn((batch, context, c.latent_dim), gen, t)
-    kv_new = _randn((batch, c.latent_dim), gen, t)
-    o_lat = torch.empty(batch, c.heads, c.kv_lora_rank, dtype=BF16, device=t.device)
-    scale = c.qk_head_dim**-0.5
+    q_lat, cache, kv_new, o_lat, errors = _attention_operands(c, batch, context, gen, t)
 
     def run(s: Tensors) -> None:
-        mla_attention(q_lat, s["cache"], kv_new, o_lat, scale, plan)
-
-    def errors() -> tuple[float, float]:
-        wide_q, wide_cache, wide_new = (x.float() for x in (q_lat, cache, kv_new))
-        expected = stock._latent_attention(wide_q, wide_cache, wide_new, c.kv_lora_rank, scale)
-        return _errors(o_lat, expected)
+        mla_attention(q_lat, s["cache"], kv_new, o_lat, _attention_scale(c), plan)
 
     note = f"{plan.splits} context splits of {plan.tokens_per_split} tokens"
     name = f"MLA split-KV + combine (T={context}, 2 kernels)"
@@ -386,20 +403,12 @@ def _check_combine(
     blocks: AttentionBlocks,
 ) -> KernelCheck:
     """The combine kernel alone, over the split kernel's real partials (computed once)."""
-    q_lat = _randn((batch, c.heads, c.latent_dim), gen, t, 2.0)
-    cache = _randn((batch, context, c.latent_dim), gen, t)
-    kv_new = _randn((batch, c.latent_dim), gen, t)
-    o_lat = torch.empty(batch, c.heads, c.kv_lora_rank, dtype=BF16, device=t.device)
-    scale = c.qk_head_dim**-0.5
+    q_lat, cache, kv_new, o_lat, errors = _attention_operands(c, batch, context, gen, t)
+    scale = _attention_scale(c)
     stats, partial = _split_partials(q_lat, cache, c.kv_lora_rank, scale, blocks)
 
     def run(s: Tensors) -> None:
         _combine(s["stats"], s["partial"], q_lat, kv_new, o_lat, None, scale, blocks)
-
-    def errors() -> tuple[float, float]:
-        wide_q, wide_cache, wide_new = (x.float() for x in (q_lat, cache, kv_new))
-        expected = stock._latent_attention(wide_q, wide_cache, wide_new, c.kv_lora_rank, scale)
-        return _errors(o_lat, expected)
 
     moved = stats.nbytes + partial.nbytes + o_lat.nbytes
     note = (

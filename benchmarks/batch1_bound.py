@@ -33,6 +33,7 @@ import argparse
 import gzip
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,13 +49,19 @@ MODES = ("off", "exit")  # plain launches, and PDL released as programs exit (la
 
 def per_kernel_costs(launch_floor: dict[str, Any]) -> dict[str, float]:
     """µs per dependent kernel by launch mode, from the widest chains (one program per SM, as
-    the layer's kernels have)."""
+    the layer's kernels have). Each of MODES must be there exactly once."""
     widest = max(row["programs"] for row in launch_floor["chains"])
-    return {
-        row["mode"]: row["per_kernel_us"]
-        for row in launch_floor["chains"]
-        if row["programs"] == widest and row["mode"] in MODES
-    }
+    costs: dict[str, float] = {}
+    for row in launch_floor["chains"]:
+        if row["programs"] != widest or row["mode"] not in MODES:
+            continue
+        if row["mode"] in costs:
+            raise ValueError(f"launch floor: two {row['mode']!r} chains of {widest} programs")
+        costs[row["mode"]] = row["per_kernel_us"]
+    missing = [mode for mode in MODES if mode not in costs]
+    if missing:
+        raise ValueError(f"launch floor: no {', '.join(missing)} chain of {widest} programs")
+    return costs
 
 
 def best_fraction(floor_us: float, kernels: int, per_kernel_us: float) -> float:
@@ -63,7 +70,10 @@ def best_fraction(floor_us: float, kernels: int, per_kernel_us: float) -> float:
 
 def local_expert_pmf(c: LayerConfig) -> list[float]:
     """P(n of this GPU's experts among one token's top_k distinct ids), n = 0..top_k, for
-    uniformly spread routing: hypergeometric (experts_total ids, experts local, top_k draws)."""
+    uniformly spread, ungrouped routing: hypergeometric (experts_total ids, experts local, top_k
+    draws). Grouped routing (n_group > 1) limits which ids can be drawn together: not modelled."""
+    if c.n_group > 1:
+        raise ValueError(f"grouped routing (n_group {c.n_group}) is not modelled")
     remote = c.experts_total - c.experts
     total = math.comb(c.experts_total, c.top_k)
     ways = [math.comb(c.experts, n) * math.comb(remote, c.top_k - n) for n in range(c.top_k + 1)]
@@ -103,11 +113,15 @@ def chance_to_meet(
 
 
 def batch1_rows(evidence: dict[str, Any]) -> list[dict[str, Any]]:
+    """The single-GPU batch-1 cases; every one must carry its timing, or the chance at all
+    contexts would silently be a product over fewer of them."""
     rows = []
     for case in evidence["cases"]:
-        perf = case.get("performance") or {}
-        if case["batch"] != 1 or not perf.get("hbm_bytes_per_s") or not perf.get("bytes_moved"):
+        if case["batch"] != 1 or case.get("cp", 1) != 1 or case.get("gpus", 1) != 1:
             continue
+        perf = case.get("performance") or {}
+        if not perf.get("hbm_bytes_per_s") or not perf.get("bytes_moved"):
+            raise ValueError(f"{case['id']}: no floor bytes or bandwidth in the evidence")
         rows.append(
             {
                 "context": case["context"],
@@ -129,6 +143,8 @@ def bounds(
     c = problem.config
     costs = per_kernel_costs(launch_floor)
     rows = batch1_rows(evidence)
+    if not rows:
+        raise ValueError("the evidence has no single-GPU batch-1 case")
     per_expert = problem.layer_bytes(_case(1024), 1) - problem.layer_bytes(_case(1024), 0)
     for row in rows:
         case = _case(row["context"])
@@ -149,7 +165,7 @@ def bounds(
             for k in kernel_counts
             for mode, cost in costs.items()
         }
-    keys = rows[0]["chance"] if rows else {}
+    keys = rows[0]["chance"]
     all_contexts = {key: math.prod(row["chance"][key] for row in rows) for key in keys}
     return {
         "target": target,
@@ -168,8 +184,8 @@ def bounds(
 def time_above_floor(evidence: dict[str, Any], target: float) -> list[dict[str, Any]]:
     """Per batch, the fused path's µs per layer above its case's floor (min, median, max over
     the contexts), and the floor a case needs for `target` at the median: floor >= above x
-    target / (1 - target). Above batch 1 this time barely moves with the draw, so a draw with
-    few local experts (a small floor) is what misses the target."""
+    target / (1 - target). Where this time moves little with the draw, a draw with few local
+    experts (a small floor) is what misses the target."""
     above: dict[int, list[float]] = {}
     for case in evidence["cases"]:
         perf = case.get("performance") or {}
@@ -179,14 +195,13 @@ def time_above_floor(evidence: dict[str, Any], target: float) -> list[dict[str, 
         above.setdefault(case["batch"], []).append(perf["candidate_us_median"] - floor_us)
     rows = []
     for batch, values in sorted(above.items()):
-        values.sort()
-        middle = values[len(values) // 2]
+        middle = statistics.median(values)
         rows.append(
             {
                 "batch": batch,
-                "above_min_us": values[0],
+                "above_min_us": min(values),
                 "above_median_us": middle,
-                "above_max_us": values[-1],
+                "above_max_us": max(values),
                 "floor_needed_us": middle * target / (1 - target),
             }
         )

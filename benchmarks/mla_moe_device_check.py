@@ -682,8 +682,8 @@ def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow
 
 # (cached tokens per tile, (token, split) programs per SM, least tiles per split, warps,
 # stages, latent columns per combine program, splits per combine step); the first is the plan
-# at batch <= 8 since the 2026-12-03 sweep (its combine since 2026-12-04: --sweep-combine), the
-# second the plan above 8 until the next sweep
+# at batch <= 8 since the 2026-12-03 sweep, the second the plan above 8 until the next sweep
+# (their combine shapes are the old plan's: `--sweep-combine` chose the plan's since 2026-12-04)
 ATTENTION_VARIANTS = [
     (64, 1, 1, 4, 3, 32, 128),
     (32, 2, 2, 4, 2, 128, 32),
@@ -709,7 +709,7 @@ ATTENTION_VARIANTS_LARGE = [
     (32, 2, 4, 4, 3, 128, 32),
     (32, 8, 4, 4, 3, 128, 32),
     (32, 2, 2, 4, 2, 128, 32),  # the plan above batch 8 before
-    (64, 1, 1, 4, 3, 32, 128),  # the plan at batch <= 8
+    (64, 1, 1, 4, 3, 32, 128),  # the plan's tiles at batch <= 8
     (64, 2, 1, 4, 3, 128, 32),
     (64, 4, 1, 4, 3, 128, 32),
     (64, 8, 1, 4, 3, 128, 32),
@@ -769,7 +769,7 @@ def sweep_attention(
 # kernels that took 10.5 and 11.9 µs at batch 64 x 1024 in the ninth session's profile, for a
 # few MB: the combine ran one program per (token, head, 128 columns), 2048 at batch 64, each a
 # chain of dependent loads. (heads, latent columns, splits per step) per combine program; the
-# first two are the plans at batch <= 8 and above.
+# first two were the plans at batch <= 8 and above before this sweep's first run (2026-12-04).
 COMBINE_VARIANTS = [
     (1, 32, 128),
     (1, 128, 32),
@@ -782,7 +782,7 @@ COMBINE_VARIANTS = [
     (8, 64, 16),
     (8, 32, 32),
 ]
-ABSORB_COLUMNS = [64, 32, 128, 256]  # the first is the plan
+ABSORB_COLUMNS = [64, 32, 128, 256]  # the first was the plan at every batch until 2026-12-04
 
 
 def sweep_combine(

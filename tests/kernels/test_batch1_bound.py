@@ -27,8 +27,11 @@ def _evidence(cases: list[tuple[int, int, float]]) -> dict[str, object]:
         layer = problem.layer_bytes(batch1_bound._case(context), experts)
         rows.append(
             {
+                "id": f"batch={batch} context={context}",
                 "batch": batch,
                 "context": context,
+                "cp": 1,
+                "gpus": 1,
                 "origin": "grid",
                 "performance": {
                     "layers": 2,
@@ -54,6 +57,35 @@ def test_the_local_expert_draw_is_hypergeometric() -> None:
     two_layers = batch1_bound.case_pmf(LayerConfig(), 2)
     assert sum(two_layers) == pytest.approx(1.0) and len(two_layers) == 17
     assert two_layers[0] == pytest.approx(pmf[0] ** 2)
+    assert two_layers[1] == pytest.approx(2 * pmf[0] * pmf[1])
+    assert sum(two_layers[1:]) == pytest.approx(0.884, abs=1e-3)
+    assert sum(two_layers[2:]) == pytest.approx(0.614, abs=1e-3)
+
+
+def test_a_case_meets_the_target_by_its_layers_mean_floor() -> None:
+    """The bar sits between half an expert per layer and one: the two layers must bring two
+    local experts between them (P 0.614), one is not enough (which P 0.884 would mean)."""
+    problem, case = batch1_bound.Problem({}), batch1_bound._case(1024)
+    half, one = (1e6 * problem.layer_bytes(case, n) / 4e12 for n in (0.5, 1.0))
+    bar = (half + one) / 2
+    cost = bar * 0.3 / 0.7 / 13  # a 14-kernel layer reaches 0.7 exactly at the bar
+    chance = batch1_bound.chance_to_meet(problem, case, 2, 4e12, 14, cost, 0.7)
+    assert chance == pytest.approx(sum(batch1_bound.case_pmf(problem.config, 2)[2:]))
+    assert chance == pytest.approx(0.614, abs=1e-3)
+
+
+def test_grouped_routing_and_incomplete_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="grouped"):
+        batch1_bound.local_expert_pmf(LayerConfig(n_group=8, topk_group=4))
+    without_exit = {"chains": LAUNCH_FLOOR["chains"][:2]}
+    with pytest.raises(ValueError, match="exit"):
+        batch1_bound.per_kernel_costs(without_exit)
+    with pytest.raises(ValueError, match="no single-GPU batch-1"):
+        batch1_bound.bounds(LAUNCH_FLOOR, _evidence([(8, 1024, 4.0)]), [14], 0.7)
+    untimed = _evidence([(1, 1024, 1.0)])
+    untimed["cases"][0]["performance"] = None  # type: ignore[index]
+    with pytest.raises(ValueError, match="no floor bytes"):
+        batch1_bound.bounds(LAUNCH_FLOOR, untimed, [14], 0.7)
 
 
 def test_bounds_read_the_widest_chains_and_each_cases_own_draw() -> None:
@@ -82,17 +114,19 @@ def test_a_target_no_floor_can_reach_has_no_chance_and_zero_has_every_chance() -
     case = batch1_bound._case(1024)
     assert batch1_bound.chance_to_meet(problem, case, 2, 4e12, 14, 1.2, 1.0) == 0.0
     assert batch1_bound.chance_to_meet(problem, case, 2, 4e12, 14, 1.2, 0.0) == pytest.approx(1)
-    assert batch1_bound.bounds(LAUNCH_FLOOR, evidence, [14], 0.7)["cases"][0]["chance"]
+    row = batch1_bound.bounds(LAUNCH_FLOOR, evidence, [14], 0.7)["cases"][0]
+    assert set(row["chance"]) == {"14 off", "14 exit"}
 
 
 def test_time_above_the_floor_is_per_batch_and_sets_the_floor_a_case_needs() -> None:
-    evidence = _evidence([(8, 1024, 4.0), (8, 4096, 7.0), (8, 8192, 9.0), (1, 1024, 0.0)])
+    draws = [(8, 1024, 4.0), (8, 4096, 7.0), (8, 8192, 9.0), (8, 2048, 1.0), (1, 1024, 0.0)]
+    evidence = _evidence(draws)
     rows = batch1_bound.time_above_floor(evidence, 0.7)
     assert [r["batch"] for r in rows] == [1, 8]
-    floors = sorted(1e6 * c["performance"]["bytes_moved"] / 4e12 for c in evidence["cases"][:3])
+    floors = [1e6 * c["performance"]["bytes_moved"] / 4e12 for c in evidence["cases"][:4]]
     above = sorted(100.0 - f for f in floors)  # each case ran 100 µs
     eight = rows[1]
     assert eight["above_min_us"] == pytest.approx(above[0])
-    assert eight["above_median_us"] == pytest.approx(above[1])
-    assert eight["above_max_us"] == pytest.approx(above[2])
-    assert eight["floor_needed_us"] == pytest.approx(above[1] * 0.7 / 0.3)
+    assert eight["above_median_us"] == pytest.approx((above[1] + above[2]) / 2)  # 4 contexts
+    assert eight["above_max_us"] == pytest.approx(above[3])
+    assert eight["floor_needed_us"] == pytest.approx(eight["above_median_us"] * 0.7 / 0.3)

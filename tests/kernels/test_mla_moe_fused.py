@@ -463,6 +463,17 @@ def test_h200_attention_up_to_batch_8_runs_in_one_wave(context: int) -> None:
         )
 
 
+@pytest.mark.parametrize("context", [1024, 8192, 20335, 32768])
+def test_h200_combine_merges_a_tokens_splits_in_one_step(context: int) -> None:
+    """Each combine program takes all of its token's splits in one step of its merge loop,
+    whatever the batch: its column width gives way to the split count (batch 1 at 32k keeps
+    128 splits per step over 32 columns; batch 8's 16 splits take 64 columns)."""
+    for batch in range(1, 65):
+        plan = fused.layer_plan(LAYER, batch, context, on_gpu=True, sm_count=132).attention
+        assert plan.combine_splits >= plan.splits
+        assert plan.combine_cols * plan.combine_splits <= 8192  # the partial tile's size
+
+
 @pytest.mark.parametrize("gpu_plan", [False, True])
 @pytest.mark.parametrize(("batch", "context"), [(1, 1), (3, 70), (2, 256), (8, 200), (12, 300)])
 def test_split_kv_attention_matches_the_latent_softmax(

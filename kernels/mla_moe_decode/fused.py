@@ -256,10 +256,10 @@ def _attention_blocks(
         # alone, docs/runs/2026-12-04-combine/): at batch 64 the combine took 11.6 / 14.2 /
         # 15.0 µs at 1k / 8k / 32k with 128 columns per program and 7.3 / 12.8 / 13.9 with
         # 256 (two heads x 128: 10.7 / 12.4 / 12.9, so 256 by its 3.4 µs at short contexts,
-        # where the target is closest); at batch 8 (16 splits) 4.2 with 32 columns and 3.7 with 64 columns and 64
-        # splits per step, while at batch 1 x 32k (128 splits) 32 columns stayed best (3.15
-        # against 4.25). q_absorb at batch 64: 12.3 µs with 64 columns, 9.0 with 128; at batch
-        # 1 and 8, 64 stayed best.
+        # where the target is closest); at batch 8 (16 splits) 4.2 with 32 columns and 3.7
+        # with 64 columns and 64 splits per step, while at batch 1 x 32k (128 splits) 32
+        # columns stayed best (3.15 against 4.25). q_absorb at batch 64: 12.3 µs with 64
+        # columns, 9.0 with 128; at batch 1 and 8, 64 stayed best.
         absorb_cols = 128 if batch > 32 else 64
         if batch <= 8:
             block_t, stages = 64, 3

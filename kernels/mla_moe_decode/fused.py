@@ -18,6 +18,10 @@ logits, the same routing rule), in 14 kernels per layer where the stock path run
     13  experts gate_up + SiLU*mul, active + shared experts   Triton     triton_moe
     14  experts down + routing weights + shared expert sum    Triton     triton_moe
 
+With MoeBlocks.shared_beside_routing (built 2026-12-04, not yet measured on the H200, off in
+the plans) kernel 13 is two launches, the shared expert's tiles on a side stream beside kernel
+12: 15 kernels, the routing kernel's time hidden behind the shared expert's stream.
+
 Every weight byte is read once (the experts only where some token chose them, decided on the
 device from the routing table), nothing synchronizes with the host, and no kernel uses atomics:
 two runs give the same bits. Split-K partial sums are added, in order, by the kernel that
@@ -59,7 +63,7 @@ from kernels.mla_moe_decode.triton_attention import (
     w_uv,
 )
 from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
-from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe
+from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, fused_moe_beside_routing
 from kernels.mla_moe_decode.triton_moe import route as route_experts
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm
 
@@ -341,15 +345,22 @@ def route(weights: Tensors, inputs: Tensors) -> tuple[torch.Tensor, torch.Tensor
     }
     if not _in_scope(config, weights, inputs, scratch):
         return stock.route(weights, inputs)
-    _, ids, routing = _attention_and_routing(config, weights, inputs, scratch)
+    _, logits = _attention_and_router(config, weights, inputs, scratch)
+    ids, routing = _route(config, weights, logits)
     return routing, ids.long()
 
 
 def _fused_layer(c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors) -> None:
-    moe_in, ids, routing = _attention_and_routing(c, w, inputs, out)
+    moe_in, logits = _attention_and_router(c, w, inputs, out)
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
     plan = _plan(c, moe_in, inputs["kv_cache"].shape[1])
-    fused_moe(moe_in, ids, routing, *experts, out["out"], c.expert_offset, plan.moe)
+    routing = functools.partial(_route, c, w, logits)
+    if plan.moe.shared_beside_routing:  # kernel 13 as two launches, one beside kernel 12
+        moe = (*experts, out["out"], c.expert_offset, plan.moe)
+        fused_moe_beside_routing(moe_in, routing, c.top_k, *moe)
+    else:
+        ids, weights = routing()
+        fused_moe(moe_in, ids, weights, *experts, out["out"], c.expert_offset, plan.moe)
 
 
 def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
@@ -358,11 +369,11 @@ def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
     return layer_plan(c, x.shape[0], context, on_gpu, sm_count)
 
 
-def _attention_and_routing(
+def _attention_and_router(
     c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kernels 1-12: writes out["kv_new"] and out["residual_out"]; returns the MoE input
-    (B, hidden) bf16, the routing ids (B, top_k) int32 and weights (B, top_k) fp32."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernels 1-11: writes out["kv_new"] and out["residual_out"]; returns the MoE input
+    (B, hidden) bf16 and the router's split-K partial logits (splits, B, experts_total) fp32."""
     x, positions, cache = inputs["x"], inputs["positions"], inputs["kv_cache"]
     batch, eps = x.shape[0], c.rms_norm_eps
     plan = _plan(c, x, cache.shape[1])
@@ -393,10 +404,13 @@ def _attention_and_routing(
     moe_in = torch.empty_like(x)
     residuals = (x, inputs["residual"])
     add_rmsnorm(attn, residuals, w["post_attention_layernorm"], out["residual_out"], moe_in, eps)
+    return moe_in, splitk_gemv(moe_in, w["gate"], plan.router)
+
+
+def _route(c: LayerConfig, w: Tensors, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel 12: the routing ids (B, top_k) int32 and weights (B, top_k) fp32."""
     bias, scaling = w["e_score_correction_bias"], c.routed_scaling_factor
-    logits = splitk_gemv(moe_in, w["gate"], plan.router)
-    ids, routing = route_experts(logits, bias, c.top_k, c.norm_topk_prob, scaling)
-    return moe_in, ids, routing
+    return route_experts(logits, bias, c.top_k, c.norm_topk_prob, scaling)
 
 
 def input_add_rmsnorm(

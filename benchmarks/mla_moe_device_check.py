@@ -36,6 +36,9 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
         the fused layer in each programmatic dependent launch mode
         (triton_common.dependent_launch), each against "off" in alternating replays, and
         whether they all give the same bits
+    python3 benchmarks/mla_moe_device_check.py --sweep-shared-beside  # as --sweep-pdl: the
+        layer with the shared expert's gate_up tiles launched on a side stream beside the
+        routing kernel (MoeBlocks.shared_beside_routing) against the plan's one launch
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -1085,32 +1088,78 @@ def sweep_pdl(problem: Problem, cases: list[tuple[int, int]], t: Target) -> list
 def _compare_pdl_modes(
     problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
+    def use(mode: str) -> None:
+        triton_common.dependent_launch = mode  # read at capture: the graph keeps its launches
+
+    try:
+        variants = {mode: partial(use, mode) for mode in triton_common.DEPENDENT_LAUNCH_MODES}
+        _compare_variants(problem, weights, case, row, t, variants)
+    finally:
+        triton_common.dependent_launch = DEPENDENT_LAUNCH_DEFAULT
+
+
+def sweep_shared_beside(problem: Problem, cases: list[tuple[int, int]], t: Target) -> list[PdlRow]:
+    return _each_case(
+        problem, cases, t, PdlRow, _compare_shared_beside, lambda r: print(asdict(r), flush=True)
+    )
+
+
+def _compare_shared_beside(
+    problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
+) -> None:
+    """The plan's MoE as one gate_up launch ("off") and with the shared expert's tiles on a
+    side stream beside the routing kernel ("beside": MoeBlocks.shared_beside_routing)."""
+    plan_blocks = fused._moe_blocks
+
+    def use(beside: bool) -> None:
+        def blocks(batch: int, on_gpu: bool) -> MoeBlocks:
+            return replace(plan_blocks(batch, on_gpu), shared_beside_routing=beside)
+
+        fused._moe_blocks = blocks
+        fused.layer_plan.cache_clear()  # the plan is read at capture, as the launch mode is
+
+    try:
+        variants = {"off": partial(use, False), "beside": partial(use, True)}
+        _compare_variants(problem, weights, case, row, t, variants)
+    finally:
+        fused._moe_blocks = plan_blocks
+        fused.layer_plan.cache_clear()
+
+
+def _compare_variants(
+    problem: Problem,
+    weights: list[Tensors],
+    case: Case,
+    row: PdlRow,
+    t: Target,
+    variants: dict[str, Callable[[], None]],
+) -> None:
+    """Each variant (set up by its function, then captured) against "off" in alternating
+    replays: µs per layer, and whether it gives "off"'s bits."""
     inputs = [problem.make_inputs(case, 1000 + layer, t.device) for layer in range(LAYERS)]
     pairs = list(zip(weights, inputs, strict=True))
     steps, outputs = {}, {}
-    try:
-        for mode in triton_common.DEPENDENT_LAUNCH_MODES:
-            triton_common.dependent_launch = mode  # read at capture: the graph keeps its launches
-            layer_set, outputs[mode] = _layers(problem, pairs, case, t)
-            steps[mode] = _step(fused.forward, layer_set, t)
-            steps[mode]()
-    finally:
-        triton_common.dependent_launch = DEPENDENT_LAUNCH_DEFAULT
+    for name, set_up in variants.items():
+        set_up()
+        layer_set, outputs[name] = _layers(problem, pairs, case, t)
+        steps[name] = _step(fused.forward, layer_set, t)
+        steps[name]()
     _sync(t)
-    for mode in [m for m in triton_common.DEPENDENT_LAUNCH_MODES if m != "off"]:
-        row.same_bits[mode] = all(
-            torch.equal(mine[name], theirs[name])
-            for mine, theirs in zip(outputs[mode], outputs["off"], strict=True)
-            for name in mine
+    for name in [v for v in variants if v != "off"]:
+        row.same_bits[name] = all(
+            torch.equal(mine[key], theirs[key])
+            for mine, theirs in zip(outputs[name], outputs["off"], strict=True)
+            for key in mine
         )
-        samples = timed_pairs(steps[mode], steps["off"], PAIRS if t.on_gpu else 2, t.device)
-        row.us[mode] = median([a for a, _ in samples]) / LAYERS
-        row.off_us[mode] = median([b for _, b in samples]) / LAYERS
+        samples = timed_pairs(steps[name], steps["off"], PAIRS if t.on_gpu else 2, t.device)
+        row.us[name] = median([a for a, _ in samples]) / LAYERS
+        row.off_us[name] = median([b for _, b in samples]) / LAYERS
 
 
 def print_pdl_table(rows: list[PdlRow]) -> None:
-    """µs per layer of each mode; each mode / "off" from their own alternating pairs."""
-    modes = [m for m in triton_common.DEPENDENT_LAUNCH_MODES if m != "off"]
+    """µs per layer of each mode (each variant); each / "off" from their own alternating
+    pairs."""
+    modes = [m for m in dict.fromkeys(m for row in rows for m in row.us) if m != "off"]
     print(
         "\n| batch | context | off µs | "
         + " | ".join(f"{m} µs (/ off)" for m in modes)
@@ -1263,9 +1312,10 @@ def main() -> None:
     contexts = [8192] if args.quick else [1024, 8192, 32768]
     if args.small:
         contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
-    if args.sweep_pdl:
-        print("== programmatic dependent launch", flush=True)
-        pdl_rows = sweep_pdl(problem, [(b, c) for b in batches for c in contexts], t)
+    if args.sweep_pdl or args.sweep_shared_beside:
+        sweep = sweep_pdl if args.sweep_pdl else sweep_shared_beside
+        print(f"== {sweep.__name__}", flush=True)
+        pdl_rows = sweep(problem, [(b, c) for b in args.batches or batches for c in contexts], t)
         _write(
             args.out,
             {
@@ -1370,14 +1420,20 @@ def _parse_args() -> argparse.Namespace:
         "--batches",
         type=int,
         nargs="+",
-        help="the batches of --sweep-attention, --sweep-moe, --sweep-router, --sweep-combine "
-        "and --profile-fused (on the GPU by default 1 8, 1 8 64, 1 8 64, 1 8 64 and 1 4 8; the "
-        "other runs ignore it)",
+        help="the batches of --sweep-attention, --sweep-moe, --sweep-router, --sweep-combine, "
+        "--profile-fused, --sweep-pdl and --sweep-shared-beside (on the GPU by default 1 8, "
+        "1 8 64, 1 8 64, 1 8 64, 1 4 8, and the part-2 batches; the other runs ignore it)",
     )
     parser.add_argument(
         "--sweep-pdl",
         action="store_true",
         help="instead of parts 1 and 2: the fused layer, dependent launch off / wait / prefetch",
+    )
+    parser.add_argument(
+        "--sweep-shared-beside",
+        action="store_true",
+        help="instead of parts 1 and 2: the fused layer with the shared expert's gate_up tiles "
+        "beside the routing kernel against the plan's one launch (as --sweep-pdl compares)",
     )
     parser.add_argument(
         "--skip", nargs="*", default=[], help="kernel checks to leave out, e.g. input_norm"

@@ -100,3 +100,15 @@ def test_combine_sweep_checks_each_program_shape_against_the_reference(tmp_path:
         "32 latent columns per program",
         "64 latent columns per program",
     }
+
+
+def test_shared_beside_sweep_compares_the_two_moe_launch_plans_with_the_same_bits(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "beside.json"
+    args = ("--small", "--quick", "--sweep-shared-beside", "--batches", "3", "--out", str(out))
+    _run("mla_moe_device_check.py", *args)
+    rows = json.loads(out.read_text())["pdl"]
+    assert [(r["batch"], r["errors"]) for r in rows] == [(3, [])]
+    assert rows[0]["same_bits"] == {"beside": True}
+    assert rows[0]["us"]["beside"] > 0 and rows[0]["off_us"]["beside"] > 0

@@ -308,18 +308,18 @@ def _gate_up_kernel(
     wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
-    blocks_per_expert = tl.cdiv(INTER, BLOCK_I)
-    shared_items = SHARED_TILES * SHARED_SPLITS
     if ITEMS == SHARED_ITEMS:  # launched beside the routing kernel: the ids are not there yet
         table = tl.full((BLOCK_M, BLOCK_K_SLOTS), -1, tl.int32)
         rank = tl.full((2 * BLOCK_E,), -1, tl.int32)
-        n_items = shared_items
+        n_chosen = 0
     else:
         table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
         rank, n_chosen = _chosen_local_experts(
             ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
         )
-        n_items = shared_items + n_chosen * blocks_per_expert * K_SPLITS
+    blocks_per_expert = tl.cdiv(INTER, BLOCK_I)
+    shared_items = SHARED_TILES * SHARED_SPLITS
+    n_items = shared_items + n_chosen * blocks_per_expert * K_SPLITS
     # the items keep their numbers (workspace slots, counters) in every launch that runs them
     first = shared_items if ITEMS == ROUTED_ITEMS else 0
     for item in range(first + tl.program_id(0), n_items, tl.num_programs(0)):

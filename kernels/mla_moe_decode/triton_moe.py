@@ -321,8 +321,8 @@ def _gate_up_kernel(
     shared_items = SHARED_TILES * SHARED_SPLITS
     n_items = shared_items + n_chosen * blocks_per_expert * K_SPLITS
     # the items keep their numbers (workspace slots, counters) in every launch that runs them
-    first = shared_items if ITEMS == ROUTED_ITEMS else 0
-    for item in range(first + tl.program_id(0), n_items, tl.num_programs(0)):
+    first_item = shared_items if ITEMS == ROUTED_ITEMS else 0
+    for item in range(first_item + tl.program_id(0), n_items, tl.num_programs(0)):
         # item -> (tile, split): a tile is one (expert, feature block), split over K
         is_shared = item < shared_items
         n_splits = tl.where(is_shared, SHARED_SPLITS, K_SPLITS)
@@ -634,10 +634,14 @@ def fused_moe_beside_routing(
         _gate_up(work, h, unread, w13, shared_gate_up, expert_offset, blocks, SHARED_ITEMS)
 
     join = _beside(h.device, shared_tiles)
-    ids, routing_weights = route()
-    _check_ids(ids)
-    _gate_up(work, h, ids, w13, shared_gate_up, expert_offset, blocks, ROUTED_ITEMS)
-    join()  # the down kernel reads the shared expert's activations
+    try:
+        ids, routing_weights = route()
+        _check_ids(ids)
+        if ids.shape != (h.shape[0], top_k):
+            raise ValueError(f"route() gave ids {tuple(ids.shape)}, not ({h.shape[0]}, {top_k})")
+        _gate_up(work, h, ids, w13, shared_gate_up, expert_offset, blocks, ROUTED_ITEMS)
+    finally:  # the down kernel reads the shared activations; and no capture ends unjoined
+        join()
     _down(work, ids, routing_weights, w2, shared_down, out, expert_offset, blocks)
     return ids, routing_weights
 
@@ -656,7 +660,8 @@ def _beside(device: torch.device, launch: Callable[[], None]) -> Callable[[], No
     if device.type != "cuda":
         launch()
         return lambda: None
-    main, side = torch.cuda.current_stream(device), _side_stream(device)
+    main = torch.cuda.current_stream(device)
+    side = next(stream for stream in _side_streams(device) if stream != main)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         launch()
@@ -664,8 +669,10 @@ def _beside(device: torch.device, launch: Callable[[], None]) -> Callable[[], No
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
+def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """Two of torch's pooled streams (consecutive, so distinct): the pool hands them out in
+    turn, so one may be the stream a graph is being captured on, and the other is not."""
+    return torch.cuda.Stream(device), torch.cuda.Stream(device)
 
 
 def _moe_work(

@@ -588,16 +588,18 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
         assert torch.equal(again, out)
 
 
+@pytest.mark.parametrize("programs", [0, 3])
 @pytest.mark.parametrize(("splits", "shared_splits"), [(1, 1), (3, 2), (1, 3)])
 @pytest.mark.parametrize("batch", [1, 2, 3])
 def test_shared_tiles_beside_routing_give_fused_moes_bits(
-    batch: int, splits: int, shared_splits: int
+    batch: int, splits: int, shared_splits: int, programs: int
 ) -> None:
     """fused_moe_beside_routing launches the shared expert's tiles before route() runs and the
     routed ones after it: the same items under the same numbers (workspace slots, counters),
     so the same bits as route() then fused_moe. Batch 2 chooses no local expert (the routed
     launch finds no item), batch 1 and 3 some; split and whole tiles; route() runs once, and
-    its ids and weights come back."""
+    its ids and weights come back. programs 3: each launch's grid capped, so its programs
+    loop over several items."""
     c, gen = LAYER, torch.Generator().manual_seed(batch)
     h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
     w = _expert_weights(c, gen)
@@ -606,7 +608,7 @@ def test_shared_tiles_beside_routing_give_fused_moes_bits(
     ids = torch.stack([choices[torch.randperm(6, generator=gen)[: c.top_k]] for _ in h]).int()
     weights = torch.rand(batch, c.top_k, generator=gen) + 0.1
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
-    blocks = MoeBlocks(16, 16, 128, 128, 64, 4, 1, splits, splits, 0, shared_splits)
+    blocks = MoeBlocks(16, 16, 128, 128, 64, 4, 1, splits, splits, programs, shared_splits)
     expected = torch.empty_like(h)
     fused_moe(h, ids, weights, *experts, expected, c.expert_offset, blocks)
     calls = []
@@ -648,6 +650,22 @@ def test_the_shared_launch_runs_only_the_shared_tiles_and_the_routed_launch_the_
     assert torch.equal(work.act[:, c.top_k, : c.shared_intermediate], shared)
     local = (ids >= c.expert_offset) & (ids < c.expert_offset + c.experts)
     assert work.act[:, : c.top_k][local].isfinite().all()
+
+
+def test_beside_routing_refuses_a_routing_of_another_width() -> None:
+    c, gen = LAYER, torch.Generator().manual_seed(3)
+    h = torch.randn(2, c.hidden, generator=gen).to(BF16)
+    w = _expert_weights(c, gen)
+    experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
+    blocks = MoeBlocks(16, 16, 128, 128, 64, 4, 1, shared_beside_routing=True)
+    wide = torch.zeros(2, c.top_k + 1, dtype=torch.int32)
+
+    def routing() -> tuple[torch.Tensor, torch.Tensor]:
+        return wide, torch.zeros(2, c.top_k + 1)
+
+    with pytest.raises(ValueError, match=r"route\(\) gave ids \(2, 7\), not \(2, 6\)"):
+        out = torch.empty_like(h)
+        fused_moe_beside_routing(h, routing, c.top_k, *experts, out, c.expert_offset, blocks)
 
 
 def test_the_layer_with_the_shared_tiles_beside_routing_gives_the_same_bits() -> None:

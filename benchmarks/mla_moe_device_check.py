@@ -1079,12 +1079,6 @@ class PdlRow:
     errors: list[str] = field(default_factory=list)
 
 
-def sweep_pdl(problem: Problem, cases: list[tuple[int, int]], t: Target) -> list[PdlRow]:
-    return _each_case(
-        problem, cases, t, PdlRow, _compare_pdl_modes, lambda row: print(asdict(row), flush=True)
-    )
-
-
 def _compare_pdl_modes(
     problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
@@ -1096,12 +1090,6 @@ def _compare_pdl_modes(
         _compare_variants(problem, weights, case, row, t, variants)
     finally:
         triton_common.dependent_launch = DEPENDENT_LAUNCH_DEFAULT
-
-
-def sweep_shared_beside(problem: Problem, cases: list[tuple[int, int]], t: Target) -> list[PdlRow]:
-    return _each_case(
-        problem, cases, t, PdlRow, _compare_shared_beside, lambda r: print(asdict(r), flush=True)
-    )
 
 
 def _compare_shared_beside(
@@ -1313,9 +1301,12 @@ def main() -> None:
     if args.small:
         contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
     if args.sweep_pdl or args.sweep_shared_beside:
-        sweep = sweep_pdl if args.sweep_pdl else sweep_shared_beside
-        print(f"== {sweep.__name__}", flush=True)
-        pdl_rows = sweep(problem, [(b, c) for b in args.batches or batches for c in contexts], t)
+        compare = _compare_pdl_modes if args.sweep_pdl else _compare_shared_beside
+        print(f"== {compare.__name__}", flush=True)
+        cases = [(b, c) for b in args.batches or batches for c in contexts]
+        pdl_rows = _each_case(
+            problem, cases, t, PdlRow, compare, lambda row: print(asdict(row), flush=True)
+        )
         _write(
             args.out,
             {

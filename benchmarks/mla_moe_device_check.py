@@ -36,9 +36,9 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
         the fused layer in each programmatic dependent launch mode
         (triton_common.dependent_launch), each against "off" in alternating replays, and
         whether they all give the same bits
-    python3 benchmarks/mla_moe_device_check.py --sweep-shared-beside  # as --sweep-pdl: the
-        layer with the shared expert's gate_up tiles launched on a side stream beside the
-        routing kernel (MoeBlocks.shared_beside_routing) against the plan's one launch
+    python3 benchmarks/mla_moe_device_check.py --sweep-warps    # as --sweep-pdl: the layer
+        with one small kernel's warps per program changed (each WARP_VARIANTS entry) against
+        the plan
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -1092,26 +1092,45 @@ def _compare_pdl_modes(
         triton_common.dependent_launch = DEPENDENT_LAUNCH_DEFAULT
 
 
-def _compare_shared_beside(
+# Warps per program of the small kernels: each one changed alone, the rest as planned.
+WARP_VARIANTS: dict[str, tuple[str, list[int]]] = {
+    "prep": ("prep_warps", [1, 2, 8]),  # latent_prep (plan: 4)
+    "absorb": ("absorb_warps", [2, 8]),  # q_absorb (plan: 4)
+    "combine": ("combine_warps", [1, 2, 8]),  # the attention combine (plan: 4)
+    "uv": ("uv_warps", [1, 2, 8]),  # w_uv (plan: 4)
+    "norm": ("norm_warps", [4, 8]),  # the post-attention add + RMSNorm (plan: 16)
+    "route": ("route_warps", [1, 2]),  # the routing kernel (plan: 4)
+}
+
+
+def with_warps(plan: fused.LayerPlan, field_name: str, warps: int) -> fused.LayerPlan:
+    """The plan with one small kernel's warps per program changed."""
+    if hasattr(plan.attention, field_name):
+        return replace(plan, attention=replace(plan.attention, **{field_name: warps}))
+    return replace(plan, **{field_name: warps})
+
+
+def _compare_warps(
     problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
-    """The plan's MoE as one gate_up launch ("off") and with the shared expert's tiles on a
-    side stream beside the routing kernel ("beside": MoeBlocks.shared_beside_routing)."""
-    plan_blocks = fused._moe_blocks
+    """The plan ("off") and each WARP_VARIANTS change, e.g. "route 1": the routing kernel in
+    one warp per program."""
+    planned = fused.layer_plan
 
-    def use(beside: bool) -> None:
-        def blocks(batch: int, on_gpu: bool) -> MoeBlocks:
-            return replace(plan_blocks(batch, on_gpu), shared_beside_routing=beside)
+    def use(field_name: str, warps: int) -> None:
+        def changed(*key: Any) -> fused.LayerPlan:
+            plan = planned(*key)
+            return with_warps(plan, field_name, warps) if field_name else plan
 
-        fused._moe_blocks = blocks
-        fused.layer_plan.cache_clear()  # the plan is read at capture, as the launch mode is
+        fused.layer_plan = changed  # read at capture, as the launch mode is
 
+    variants = {"off": partial(use, "", 0)}
+    for kernel, (field_name, counts) in WARP_VARIANTS.items():
+        variants |= {f"{kernel} {n}": partial(use, field_name, n) for n in counts}
     try:
-        variants = {"off": partial(use, False), "beside": partial(use, True)}
         _compare_variants(problem, weights, case, row, t, variants)
     finally:
-        fused._moe_blocks = plan_blocks
-        fused.layer_plan.cache_clear()
+        fused.layer_plan = planned
 
 
 def _compare_variants(
@@ -1300,8 +1319,8 @@ def main() -> None:
     contexts = [8192] if args.quick else [1024, 8192, 32768]
     if args.small:
         contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
-    if args.sweep_pdl or args.sweep_shared_beside:
-        compare = _compare_pdl_modes if args.sweep_pdl else _compare_shared_beside
+    if args.sweep_pdl or args.sweep_warps:
+        compare = _compare_pdl_modes if args.sweep_pdl else _compare_warps
         print(f"== {compare.__name__}", flush=True)
         cases = [(b, c) for b in args.batches or batches for c in contexts]
         pdl_rows = _each_case(
@@ -1412,7 +1431,7 @@ def _parse_args() -> argparse.Namespace:
         type=int,
         nargs="+",
         help="the batches of --sweep-attention, --sweep-moe, --sweep-router, --sweep-combine, "
-        "--profile-fused, --sweep-pdl and --sweep-shared-beside (on the GPU by default 1 8, "
+        "--profile-fused, --sweep-pdl and --sweep-warps (on the GPU by default 1 8, "
         "1 8 64, 1 8 64, 1 8 64, 1 4 8, and the part-2 batches; the other runs ignore it)",
     )
     parser.add_argument(
@@ -1421,10 +1440,10 @@ def _parse_args() -> argparse.Namespace:
         help="instead of parts 1 and 2: the fused layer, dependent launch off / wait / prefetch",
     )
     parser.add_argument(
-        "--sweep-shared-beside",
+        "--sweep-warps",
         action="store_true",
-        help="instead of parts 1 and 2: the fused layer with the shared expert's gate_up tiles "
-        "beside the routing kernel against the plan's one launch (as --sweep-pdl compares)",
+        help="instead of parts 1 and 2: the fused layer with one small kernel's warps per "
+        "program changed, each change against the plan (as --sweep-pdl compares)",
     )
     parser.add_argument(
         "--skip", nargs="*", default=[], help="kernel checks to leave out, e.g. input_norm"

@@ -18,10 +18,6 @@ logits, the same routing rule), in 14 kernels per layer where the stock path run
     13  experts gate_up + SiLU*mul, active + shared experts   Triton     triton_moe
     14  experts down + routing weights + shared expert sum    Triton     triton_moe
 
-With MoeBlocks.shared_beside_routing (built 2026-12-04, not yet measured on the H200, off in
-the plans) kernel 13 is two launches, the shared expert's tiles on a side stream beside kernel
-12: 15 kernels, the routing kernel's time hidden behind the shared expert's stream.
-
 Every weight byte is read once (the experts only where some token chose them, decided on the
 device from the routing table), nothing synchronizes with the host, and no kernel uses atomics:
 two runs give the same bits. Split-K partial sums are added, in order, by the kernel that
@@ -63,7 +59,7 @@ from kernels.mla_moe_decode.triton_attention import (
     w_uv,
 )
 from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
-from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, fused_moe_beside_routing
+from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe
 from kernels.mla_moe_decode.triton_moe import route as route_experts
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm
 
@@ -215,6 +211,10 @@ class LayerPlan:
     router: GemvBlocks
     attention: AttentionBlocks
     moe: MoeBlocks
+    # warps per program of the row-wise kernels (4, 16, 4 as first built; `--sweep-warps`)
+    prep_warps: int = 4  # latent_prep
+    norm_warps: int = 16  # the post-attention add + RMSNorm
+    route_warps: int = 4
 
 
 @functools.lru_cache(maxsize=1024)
@@ -345,22 +345,15 @@ def route(weights: Tensors, inputs: Tensors) -> tuple[torch.Tensor, torch.Tensor
     }
     if not _in_scope(config, weights, inputs, scratch):
         return stock.route(weights, inputs)
-    _, logits = _attention_and_router(config, weights, inputs, scratch)
-    ids, routing = _route(config, weights, logits)
+    _, ids, routing = _attention_and_routing(config, weights, inputs, scratch)
     return routing, ids.long()
 
 
 def _fused_layer(c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors) -> None:
-    moe_in, logits = _attention_and_router(c, w, inputs, out)
+    moe_in, ids, routing = _attention_and_routing(c, w, inputs, out)
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
     plan = _plan(c, moe_in, inputs["kv_cache"].shape[1])
-    routing = functools.partial(_route, c, w, logits)
-    if plan.moe.shared_beside_routing:  # kernel 13 as two launches, one beside kernel 12
-        moe = (*experts, out["out"], c.expert_offset, plan.moe)
-        fused_moe_beside_routing(moe_in, routing, c.top_k, *moe)
-    else:
-        ids, weights = routing()
-        fused_moe(moe_in, ids, weights, *experts, out["out"], c.expert_offset, plan.moe)
+    fused_moe(moe_in, ids, routing, *experts, out["out"], c.expert_offset, plan.moe)
 
 
 def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
@@ -369,11 +362,11 @@ def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
     return layer_plan(c, x.shape[0], context, on_gpu, sm_count)
 
 
-def _attention_and_router(
+def _attention_and_routing(
     c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernels 1-11: writes out["kv_new"] and out["residual_out"]; returns the MoE input
-    (B, hidden) bf16 and the router's split-K partial logits (splits, B, experts_total) fp32."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernels 1-12: writes out["kv_new"] and out["residual_out"]; returns the MoE input
+    (B, hidden) bf16, the routing ids (B, top_k) int32 and weights (B, top_k) fp32."""
     x, positions, cache = inputs["x"], inputs["positions"], inputs["kv_cache"]
     batch, eps = x.shape[0], c.rms_norm_eps
     plan = _plan(c, x, cache.shape[1])
@@ -386,7 +379,7 @@ def _attention_and_router(
     qkv_a = splitk_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a)
     q_c = x.new_empty(batch, c.q_lora_rank)
     norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
-    latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps)
+    latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
     q = splitk_gemv(q_c, w["q_b_proj"], plan.q_b)
     q_lat = x.new_empty(batch, c.heads, c.latent_dim)
     nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
@@ -403,14 +396,13 @@ def _attention_and_router(
     attn = splitk_gemv(o, w["o_proj"], plan.o_proj)
     moe_in = torch.empty_like(x)
     residuals = (x, inputs["residual"])
-    add_rmsnorm(attn, residuals, w["post_attention_layernorm"], out["residual_out"], moe_in, eps)
-    return moe_in, splitk_gemv(moe_in, w["gate"], plan.router)
-
-
-def _route(c: LayerConfig, w: Tensors, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel 12: the routing ids (B, top_k) int32 and weights (B, top_k) fp32."""
+    norm = (w["post_attention_layernorm"], out["residual_out"], moe_in, eps, plan.norm_warps)
+    add_rmsnorm(attn, residuals, *norm)
     bias, scaling = w["e_score_correction_bias"], c.routed_scaling_factor
-    return route_experts(logits, bias, c.top_k, c.norm_topk_prob, scaling)
+    logits = splitk_gemv(moe_in, w["gate"], plan.router)
+    routing_rule = (c.top_k, c.norm_topk_prob, scaling, plan.route_warps)
+    ids, routing = route_experts(logits, bias, *routing_rule)
+    return moe_in, ids, routing
 
 
 def input_add_rmsnorm(

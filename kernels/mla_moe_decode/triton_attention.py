@@ -60,6 +60,10 @@ class AttentionBlocks:
     uv_cols: int  # V columns per w_uv program
     split_warps: int
     split_stages: int
+    # warps per program of the three small kernels (4 as first built; `--sweep-warps`)
+    absorb_warps: int = 4
+    combine_warps: int = 4
+    uv_warps: int = 4
 
 
 # fused_qkv_a partial sums -> q_a_layernorm(q_c), kv_new
@@ -127,6 +131,7 @@ def latent_prep(
     q_c: torch.Tensor,
     kv_new: torch.Tensor,
     eps: float,
+    num_warps: int = 4,
 ) -> None:
     """parts (splits, B, Q+L+R) fp32 -> q_c (B, Q) and kv_new (B, L+R), both bf16."""
     n_splits, batch, _ = parts.shape
@@ -152,7 +157,7 @@ def latent_prep(
         BLOCK_Q=triton.next_power_of_2(q_rank),
         BLOCK_L=triton.next_power_of_2(lora),
         BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
-        num_warps=4,
+        num_warps=num_warps,
         **pdl_options(parts.device),
     )
 
@@ -256,7 +261,7 @@ def q_absorb(
         BLOCK_L=blocks.absorb_cols,
         BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
         DOT_F32=not parts.is_cuda,
-        num_warps=4,
+        num_warps=blocks.absorb_warps,
         **pdl_options(parts.device),
     )
 
@@ -529,7 +534,7 @@ def _combine(
         BLOCK_LC=blocks.combine_cols,
         BLOCK_D=triton.next_power_of_2(width),
         FINAL=merged is None,
-        num_warps=4,
+        num_warps=blocks.combine_warps,
         **pdl_options(stats[0].device),
     )
 
@@ -599,6 +604,6 @@ def w_uv(
         BLOCK_V=blocks.uv_cols,
         BLOCK_K=min(128, triton.next_power_of_2(lora)),
         DOT_F32=not o_lat.is_cuda,
-        num_warps=4,
+        num_warps=blocks.uv_warps,
         **pdl_options(o_lat.device),
     )

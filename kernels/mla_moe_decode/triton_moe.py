@@ -27,10 +27,6 @@
               launch. At batch 1 the shared expert's 256 features are 8 tiles of 32: when no
               token chooses a local expert those 8 programs are the whole kernel, and each
               streamed 917 KB alone (436 GB/s in the 2026-12-03 sweep).
-              Beside routing (fused_moe_beside_routing, MoeBlocks.shared_beside_routing): the
-              shared expert's items read no routing, so they can be one launch on a side
-              stream before the routing kernel and the routed items a second launch after it,
-              every item keeping its number (slot, counter), so the bits are the same.
     down      program (hidden block n) owns out[:, block n]: it walks the chosen local experts
               in order (the same list), and for each one adds weight * (act @ down_e[block n].T)
               for those tokens; then the shared expert with weight 1. One program per output
@@ -50,8 +46,6 @@ each expert's output and the routed sum: this is at least as accurate.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,11 +62,6 @@ from kernels.mla_moe_decode.triton_common import (
     wait_for_previous_kernel,
 )
 
-# which of the gate_up kernel's work items a launch runs (its ITEMS constexpr)
-ALL_ITEMS = tl.constexpr(0)
-SHARED_ITEMS = tl.constexpr(1)
-ROUTED_ITEMS = tl.constexpr(2)
-
 
 @dataclass(frozen=True)
 class MoeBlocks:
@@ -87,11 +76,6 @@ class MoeBlocks:
     down_splits: int = 1  # programs that share one output block over the intermediate dims
     gate_up_programs: int = 0  # at most this many gate_up programs; 0: one per item
     shared_splits: int = 1  # programs that share one shared-expert feature block over hidden
-    # fused_moe_beside_routing launches the shared expert's gate_up tiles on a side stream
-    # before the routing kernel (they need no routing) and the routed tiles after it: one
-    # kernel more, the routing kernel's time hidden behind the shared expert's stream.
-    # Not measured on a GPU yet (2026-12-04): off in the plans.
-    shared_beside_routing: bool = False
 
 
 @triton.jit
@@ -155,6 +139,7 @@ def route(
     top_k: int,
     normalize: bool,
     scaling: float,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """parts (splits, B, E_total) fp32 -> (ids (B, top_k) int32 global, weights (B, top_k) fp32)."""
     n_splits, batch, n = parts.shape
@@ -179,7 +164,7 @@ def route(
         ROWS=rows,
         BLOCK_E=triton.next_power_of_2(experts_total),
         BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4,
+        num_warps=num_warps,
         **pdl_options(parts.device),
     )
     return ids, weights
@@ -302,27 +287,17 @@ def _gate_up_kernel(
     K_SPLITS: tl.constexpr,  # items per routed (expert, feature block)
     SHARED_TILES: tl.constexpr,  # the shared expert's feature blocks, whose items come first
     SHARED_SPLITS: tl.constexpr,  # items per shared feature block
-    ITEMS: tl.constexpr,  # ALL_ITEMS, SHARED_ITEMS (reads no routing) or ROUTED_ITEMS
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
-    if ITEMS == SHARED_ITEMS:  # launched beside the routing kernel: the ids are not there yet
-        table = tl.full((BLOCK_M, BLOCK_K_SLOTS), -1, tl.int32)
-        rank = tl.full((2 * BLOCK_E,), -1, tl.int32)
-        n_chosen = 0
-    else:
-        table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
-        rank, n_chosen = _chosen_local_experts(
-            ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
-        )
+    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
+    rank, n_chosen = _chosen_local_experts(ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E)
     blocks_per_expert = tl.cdiv(INTER, BLOCK_I)
     shared_items = SHARED_TILES * SHARED_SPLITS
     n_items = shared_items + n_chosen * blocks_per_expert * K_SPLITS
-    # the items keep their numbers (workspace slots, counters) in every launch that runs them
-    first_item = shared_items if ITEMS == ROUTED_ITEMS else 0
-    for item in range(first_item + tl.program_id(0), n_items, tl.num_programs(0)):
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         # item -> (tile, split): a tile is one (expert, feature block), split over K
         is_shared = item < shared_items
         n_splits = tl.where(is_shared, SHARED_SPLITS, K_SPLITS)
@@ -569,24 +544,6 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
     return counters[:count]
 
 
-@dataclass
-class _MoeWork:
-    """What one layer's MoE launches share: the activations (B, top_k + 1, INTER) bf16, the
-    split workspace and counters, and the gate_up items' geometry."""
-
-    act: torch.Tensor
-    partial: torch.Tensor
-    counters: torch.Tensor
-    shared_tiles: int
-    shared_items: int
-    most_items: int  # the shared items and those of every local expert the batch could choose
-    k_per_split: int
-    splits: int
-    shared_k_per_split: int
-    shared_splits: int
-    common: dict[str, object]
-
-
 def fused_moe(
     h: torch.Tensor,
     ids: torch.Tensor,
@@ -603,86 +560,16 @@ def fused_moe(
     w13 (E, 2I, D), w2 (E, D, I), shared_gate_up (2 I_S, D), shared_down (D, I_S) bf16
     -> out (B, D) bf16: the sum over the chosen local experts of weight * SwiGLU_e(h), plus
     SwiGLU_shared(h)."""
-    _check_ids(ids)
-    work = _moe_work(h, ids.shape[1], w13, shared_down, blocks)
-    _gate_up(work, h, ids, w13, shared_gate_up, expert_offset, blocks, ALL_ITEMS)
-    _down(work, ids, routing_weights, w2, shared_down, out, expert_offset, blocks)
-
-
-def fused_moe_beside_routing(
-    h: torch.Tensor,
-    route: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    top_k: int,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared_gate_up: torch.Tensor,
-    shared_down: torch.Tensor,
-    out: torch.Tensor,
-    expert_offset: int,
-    blocks: MoeBlocks,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route()` (it launches the routing kernel and returns ids and weights) and fused_moe,
-    with the shared expert's gate_up tiles launched first on a side stream: they need no
-    routing, so on a GPU they stream while the routing kernel and the routed tiles run, and
-    only the down kernel waits for them (in a captured graph, a fork and a join). The same
-    items as fused_moe's under the same numbers, so the same bits, in one kernel more.
-    Returns route()'s ids and weights."""
-    work = _moe_work(h, top_k, w13, shared_down, blocks)
-    unread = torch.empty(h.shape[0], top_k, device=h.device, dtype=torch.int32)
-
-    def shared_tiles() -> None:
-        _gate_up(work, h, unread, w13, shared_gate_up, expert_offset, blocks, SHARED_ITEMS)
-
-    join = _beside(h.device, shared_tiles)
-    try:
-        ids, routing_weights = route()
-        _check_ids(ids)
-        if ids.shape != (h.shape[0], top_k):
-            raise ValueError(f"route() gave ids {tuple(ids.shape)}, not ({h.shape[0]}, {top_k})")
-        _gate_up(work, h, ids, w13, shared_gate_up, expert_offset, blocks, ROUTED_ITEMS)
-    finally:  # the down kernel reads the shared activations; and no capture ends unjoined
-        join()
-    _down(work, ids, routing_weights, w2, shared_down, out, expert_offset, blocks)
-    return ids, routing_weights
-
-
-def _check_ids(ids: torch.Tensor) -> None:
-    # the kernels histogram the ids, and tl.histogram takes int32 only: say so here, rather than
-    # as a compile error inside the kernel
-    if ids.dtype != torch.int32:
-        raise ValueError(f"fused_moe: expert ids must be int32, not {ids.dtype}")
-
-
-def _beside(device: torch.device, launch: Callable[[], None]) -> Callable[[], None]:
-    """Run `launch` on the device's side stream, after everything the current stream has
-    queued; returns what makes the current stream wait for it. On the CPU (the interpreter)
-    it simply runs first."""
-    if device.type != "cuda":
-        launch()
-        return lambda: None
-    main = torch.cuda.current_stream(device)
-    side = next(stream for stream in _side_streams(device) if stream != main)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        launch()
-    return lambda: main.wait_stream(side)
-
-
-@functools.cache
-def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """Two of torch's pooled streams (consecutive, so distinct): the pool hands them out in
-    turn, so one may be the stream a graph is being captured on, and the other is not."""
-    return torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-
-def _moe_work(
-    h: torch.Tensor, top_k: int, w13: torch.Tensor, shared_down: torch.Tensor, blocks: MoeBlocks
-) -> _MoeWork:
     batch, hidden = h.shape
     experts, inter2, _ = w13.shape
     inter, shared_inter = inter2 // 2, shared_down.shape[1]
     if shared_inter > inter:  # its activations share act's rows, INTER wide
         raise ValueError(f"shared expert intermediate {shared_inter} > routed {inter}")
+    # the kernels histogram the ids, and tl.histogram takes int32 only: say so here, rather than
+    # as a compile error inside the kernel
+    if ids.dtype != torch.int32:
+        raise ValueError(f"fused_moe: expert ids must be int32, not {ids.dtype}")
+    top_k = ids.shape[1]
     act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
     common = dict(
         TOP_K=top_k,
@@ -702,94 +589,52 @@ def _moe_work(
     )
     k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
     shared_k_per_split, shared_splits = k_splits(hidden, blocks.shared_splits, blocks.gate_up_k)
-    shared_items = shared_tiles * shared_splits
-    most_items = shared_items + (most_tiles - shared_tiles) * splits
+    most_items = shared_tiles * shared_splits + (most_tiles - shared_tiles) * splits
+    programs = min(most_items, blocks.gate_up_programs or most_items)
     partial, counters = act, act  # unused unless split
     if max(splits, shared_splits) > 1:
         # a slot per item and a counter per tile, for the items up to the last split one: only
         # the shared expert's when the routed tiles are whole (the plan at small batch)
-        split_items = most_items if splits > 1 else shared_items
+        split_items = most_items if splits > 1 else shared_tiles * shared_splits
         split_tiles = most_tiles if splits > 1 else shared_tiles
         tile_size = blocks.block_m * 2 * blocks.gate_up_cols
         partial = torch.empty(split_items, tile_size, device=h.device, dtype=torch.float32)
         counters = split_counters(h.device, split_tiles)
-    return _MoeWork(
-        act, partial, counters, shared_tiles, shared_items, most_items, k_per_split, splits,
-        shared_k_per_split, shared_splits, common,
-    )  # fmt: skip
-
-
-def _gate_up(
-    work: _MoeWork,
-    h: torch.Tensor,
-    ids: torch.Tensor,
-    w13: torch.Tensor,
-    shared_gate_up: torch.Tensor,
-    expert_offset: int,
-    blocks: MoeBlocks,
-    items: tl.constexpr,
-) -> None:
-    """One launch of the gate_up kernel over `items`: all of them, the shared expert's, or the
-    routed experts' (at least one program, which finds none when no local expert is chosen)."""
-    batch, hidden = h.shape
-    experts, inter2, _ = w13.shape
-    if items == SHARED_ITEMS:
-        count = work.shared_items
-    elif items == ROUTED_ITEMS:
-        count = max(1, work.most_items - work.shared_items)
-    else:
-        count = work.most_items
-    programs = min(count, blocks.gate_up_programs or count)
     _gate_up_kernel[(programs,)](
         h,
         ids,
         w13,
         shared_gate_up,
-        work.act,
-        work.partial,
-        work.counters,
+        act,
+        partial,
+        counters,
         batch,
         hidden,
-        inter2 // 2,
-        shared_gate_up.shape[0] // 2,
+        inter,
+        shared_inter,
         experts,
         expert_offset,
-        work.k_per_split,
-        work.shared_k_per_split,
+        k_per_split,
+        shared_k_per_split,
         BLOCK_I=blocks.gate_up_cols,
         BLOCK_K=blocks.gate_up_k,
-        K_SPLITS=work.splits,
-        SHARED_TILES=work.shared_tiles,
-        SHARED_SPLITS=work.shared_splits,
-        ITEMS=items,
-        **work.common,
+        K_SPLITS=splits,
+        SHARED_TILES=shared_tiles,
+        SHARED_SPLITS=shared_splits,
+        **common,
         **pdl_options(h.device),
     )
-
-
-def _down(
-    work: _MoeWork,
-    ids: torch.Tensor,
-    routing_weights: torch.Tensor,
-    w2: torch.Tensor,
-    shared_down: torch.Tensor,
-    out: torch.Tensor,
-    expert_offset: int,
-    blocks: MoeBlocks,
-) -> None:
-    batch, hidden = out.shape
-    experts, _, inter = w2.shape
     down_k_per_split, down_splits = k_splits(inter, blocks.down_splits, blocks.down_k)
     column_blocks = triton.cdiv(hidden, blocks.down_cols)
     partial, counters = out, out  # unused unless split
     if down_splits > 1:
         tile_size = blocks.block_m * blocks.down_cols
         partial = torch.empty(
-            column_blocks, down_splits, tile_size, device=out.device, dtype=torch.float32
+            column_blocks, down_splits, tile_size, device=h.device, dtype=torch.float32
         )
-        counters = split_counters(out.device, column_blocks)
+        counters = split_counters(h.device, column_blocks)
     _down_kernel[(column_blocks, 1, down_splits)](
-        work.act,
+        act,
         ids,
         routing_weights,
         w2,
@@ -800,13 +645,13 @@ def _down(
         batch,
         hidden,
         inter,
-        shared_down.shape[1],
+        shared_inter,
         experts,
         expert_offset,
         down_k_per_split,
         BLOCK_N=blocks.down_cols,
         BLOCK_K=blocks.down_k,
         K_SPLITS=down_splits,
-        **work.common,
-        **pdl_options(work.act.device),
+        **common,
+        **pdl_options(act.device),
     )

@@ -69,9 +69,11 @@ def add_rmsnorm(
     residual_out: torch.Tensor,
     out: torch.Tensor,
     eps: float,
+    num_warps: int | None = None,
 ) -> None:
     """parts (splits, B, D) fp32 or (1, B, D) bf16; one or two residuals (B, D) bf16 -> writes
-    residual_out and out (B, D) bf16 as the module docstring says."""
+    residual_out and out (B, D) bf16 as the module docstring says. num_warps: by default one
+    per 512 columns, at most 16."""
     if len(residuals) not in (1, 2):
         raise ValueError(f"one or two residuals, not {len(residuals)}")
     n_splits, batch, hidden = parts.shape
@@ -92,6 +94,6 @@ def add_rmsnorm(
         ROWS=rows,
         BLOCK_D=block,
         TWO_RESIDUALS=len(residuals) == 2,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=num_warps or min(16, max(1, block // 512)),
         **pdl_options(parts.device),
     )

@@ -4,10 +4,15 @@ attention sweep and the trial replay each write the JSON their docs promise."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.mla_moe_device_check import WARP_VARIANTS, with_warps
+from kernels.mla_moe_decode import fused
+from kernels.mla_moe_decode.config import LayerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,13 +107,24 @@ def test_combine_sweep_checks_each_program_shape_against_the_reference(tmp_path:
     }
 
 
-def test_shared_beside_sweep_compares_the_two_moe_launch_plans_with_the_same_bits(
-    tmp_path: Path,
-) -> None:
-    out = tmp_path / "beside.json"
-    args = ("--small", "--quick", "--sweep-shared-beside", "--batches", "3", "--out", str(out))
+def test_warps_sweep_times_each_small_kernel_change_against_the_plan(tmp_path: Path) -> None:
+    out = tmp_path / "warps.json"
+    args = ("--small", "--quick", "--sweep-warps", "--batches", "3", "--out", str(out))
     _run("mla_moe_device_check.py", *args)
     rows = json.loads(out.read_text())["pdl"]
     assert [(r["batch"], r["errors"]) for r in rows] == [(3, [])]
-    assert rows[0]["same_bits"] == {"beside": True}
-    assert rows[0]["us"]["beside"] > 0 and rows[0]["off_us"]["beside"] > 0
+    variants = {f"{k} {n}" for k, (_, counts) in WARP_VARIANTS.items() for n in counts}
+    assert set(rows[0]["us"]) == variants
+    # the interpreter ignores num_warps: every change must give the plan's bits there
+    assert rows[0]["same_bits"] == dict.fromkeys(variants, True)
+    assert all(rows[0]["us"][v] > 0 and rows[0]["off_us"][v] > 0 for v in variants)
+
+
+def test_with_warps_changes_that_kernel_alone() -> None:
+    plan = fused.layer_plan(LayerConfig(), 8, 1024, True, 132)
+    for field_name, counts in WARP_VARIANTS.values():
+        expected = dataclasses.asdict(plan)
+        owner = expected["attention"] if field_name in expected["attention"] else expected
+        assert owner[field_name] not in counts  # the plan's own count is the "off" variant
+        owner[field_name] = counts[0]
+        assert dataclasses.asdict(with_warps(plan, field_name, counts[0])) == expected

@@ -30,12 +30,7 @@ from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem
 from kernels.mla_moe_decode.triton_attention import latent_prep, mla_attention, q_absorb, w_uv
 from kernels.mla_moe_decode.triton_gemv import gemv_blocks, splitk_gemv
-from kernels.mla_moe_decode.triton_moe import (
-    MoeBlocks,
-    fused_moe,
-    fused_moe_beside_routing,
-    route,
-)
+from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, route
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm
 from scopes.manifest import Tolerance, load_manifest_file
 
@@ -588,108 +583,6 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
         assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize("programs", [0, 3])
-@pytest.mark.parametrize(("splits", "shared_splits"), [(1, 1), (3, 2), (1, 3)])
-@pytest.mark.parametrize("batch", [1, 2, 3])
-def test_shared_tiles_beside_routing_give_fused_moes_bits(
-    batch: int, splits: int, shared_splits: int, programs: int
-) -> None:
-    """fused_moe_beside_routing launches the shared expert's tiles before route() runs and the
-    routed ones after it: the same items under the same numbers (workspace slots, counters),
-    so the same bits as route() then fused_moe. Batch 2 chooses no local expert (the routed
-    launch finds no item), batch 1 and 3 some; split and whole tiles; route() runs once, and
-    its ids and weights come back. programs 3: each launch's grid capped, so its programs
-    loop over several items."""
-    c, gen = LAYER, torch.Generator().manual_seed(batch)
-    h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
-    w = _expert_weights(c, gen)
-    pool = {1: [0, 22, 23, 40, 50, 63], 2: [0, 1, 2, 40, 50, 63], 3: [0, 21, 23, 40, 50, 63]}
-    choices = torch.tensor(pool[batch])
-    ids = torch.stack([choices[torch.randperm(6, generator=gen)[: c.top_k]] for _ in h]).int()
-    weights = torch.rand(batch, c.top_k, generator=gen) + 0.1
-    experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
-    blocks = MoeBlocks(16, 16, 128, 128, 64, 4, 1, splits, splits, programs, shared_splits)
-    expected = torch.empty_like(h)
-    fused_moe(h, ids, weights, *experts, expected, c.expert_offset, blocks)
-    calls = []
-
-    def routing() -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(1)
-        return ids.clone(), weights.clone()
-
-    out = torch.full_like(h, float("nan"))
-    beside = dataclasses.replace(blocks, shared_beside_routing=True)
-    got = fused_moe_beside_routing(h, routing, c.top_k, *experts, out, c.expert_offset, beside)
-    assert calls == [1]
-    assert torch.equal(got[0], ids) and torch.equal(got[1], weights)
-    assert torch.equal(out, expected)
-    assert not triton_moe._counters.get(CPU, torch.zeros(1)).any()
-
-
-@pytest.mark.parametrize("shared_splits", [1, 3])
-def test_the_shared_launch_runs_only_the_shared_tiles_and_the_routed_launch_the_rest(
-    shared_splits: int,
-) -> None:
-    """The two launches of fused_moe_beside_routing, on NaN-poisoned activations: the shared
-    one fills the shared expert's slot alone, even given ids that choose local experts (it
-    must not read them: on the GPU they are still being written); the routed one then fills
-    the chosen experts' slots and leaves the shared slot as it was."""
-    c, gen = LAYER, torch.Generator().manual_seed(7)
-    h = torch.randn(2, c.hidden, generator=gen).to(BF16)
-    w = _expert_weights(c, gen)
-    ids = torch.tensor([[21, 23, 0, 40, 50, 63], [22, 21, 1, 2, 3, 4]], dtype=torch.int32)
-    blocks = MoeBlocks(16, 16, 128, 128, 64, 4, 1, 1, 1, 0, shared_splits)
-    work = triton_moe._moe_work(h, c.top_k, w["experts_w13"], w["shared_down"], blocks)
-    work.act.fill_(float("nan"))
-    gate_up = (w["experts_w13"], w["shared_gate_up"], c.expert_offset, blocks)
-    triton_moe._gate_up(work, h, ids, *gate_up, triton_moe.SHARED_ITEMS)
-    shared = work.act[:, c.top_k, : c.shared_intermediate].clone()
-    assert shared.isfinite().all()
-    assert work.act[:, : c.top_k].isnan().all()  # no routed tile ran
-    triton_moe._gate_up(work, h, ids, *gate_up, triton_moe.ROUTED_ITEMS)
-    assert torch.equal(work.act[:, c.top_k, : c.shared_intermediate], shared)
-    local = (ids >= c.expert_offset) & (ids < c.expert_offset + c.experts)
-    assert work.act[:, : c.top_k][local].isfinite().all()
-
-
-def test_beside_routing_refuses_a_routing_of_another_width() -> None:
-    c, gen = LAYER, torch.Generator().manual_seed(3)
-    h = torch.randn(2, c.hidden, generator=gen).to(BF16)
-    w = _expert_weights(c, gen)
-    experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
-    blocks = MoeBlocks(16, 16, 128, 128, 64, 4, 1, shared_beside_routing=True)
-    wide = torch.zeros(2, c.top_k + 1, dtype=torch.int32)
-
-    def routing() -> tuple[torch.Tensor, torch.Tensor]:
-        return wide, torch.zeros(2, c.top_k + 1)
-
-    with pytest.raises(ValueError, match=r"route\(\) gave ids \(2, 7\), not \(2, 6\)"):
-        out = torch.empty_like(h)
-        fused_moe_beside_routing(h, routing, c.top_k, *experts, out, c.expert_offset, blocks)
-
-
-def test_the_layer_with_the_shared_tiles_beside_routing_gives_the_same_bits() -> None:
-    """The plan's switch: the whole fused layer with kernel 13 as two launches, one of them
-    before kernel 12, writes exactly what the one-launch layer writes."""
-    weights, inputs = _setup(3, 20, seed=9)
-    plain = _outputs(fused.forward, weights, inputs)
-    moe_blocks = fused._moe_blocks
-
-    def beside(batch: int, on_gpu: bool) -> MoeBlocks:
-        return dataclasses.replace(moe_blocks(batch, on_gpu), shared_beside_routing=True)
-
-    fused.layer_plan.cache_clear()
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(fused, "_moe_blocks", beside)
-            assert fused.layer_plan(LAYER, 3, 20, False, 0).moe.shared_beside_routing
-            split = _outputs(fused.forward, weights, inputs)
-    finally:
-        fused.layer_plan.cache_clear()
-    for name, tensor in plain.items():
-        assert torch.equal(split[name], tensor), name
-
-
 def test_fused_moe_refuses_expert_ids_that_are_not_int32() -> None:
     """The kernels build their work list with tl.histogram, which takes 32-bit ints only: int64
     ids (torch's own index type) are refused on the host with a plain message, before Triton
@@ -878,48 +771,6 @@ def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(
     )
     split_error, unsplit_error = _relative(replays[0], expected), _relative(unsplit_out, expected)
     assert split_error <= 1.5 * unsplit_error + 1e-4, (split_error, unsplit_error)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shared_only", [False, True])
-@pytest.mark.parametrize("batch", [1, 8, 64])
-def test_shared_tiles_beside_routing_replay_fused_moes_bits_in_a_graph(
-    batch: int, shared_only: bool
-) -> None:
-    """The shared tiles on a side stream, captured into a CUDA graph (a fork before the
-    routing step, a join before the down kernel): each replay gives the one-stream MoE's bits,
-    with the plan's splits, and the counters end at zero. The routing step here copies the
-    ids in, so a shared launch that read them early would see the previous replay's zeros."""
-    c, gen, h, _, experts = _real_shard_moe(batch)
-    local = torch.randperm(c.experts, generator=gen, device="cuda")[: min(c.top_k, c.experts)]
-    if shared_only:
-        local = local + c.experts
-    ids = (local[None, :].repeat(batch, 1) + c.expert_offset).int()
-    weights = torch.rand(batch, ids.shape[1], generator=gen, device="cuda") / 4
-    blocks = fused._moe_blocks(batch, True)
-    expected = torch.empty_like(h)
-    fused_moe(h, ids, weights, *experts, expected, c.expert_offset, blocks)
-    routed_ids, routed_weights = torch.zeros_like(ids), torch.zeros_like(weights)
-
-    def routing() -> tuple[torch.Tensor, torch.Tensor]:
-        routed_ids.copy_(ids)
-        routed_weights.copy_(weights)
-        return routed_ids, routed_weights
-
-    beside = dataclasses.replace(blocks, shared_beside_routing=True)
-    out = torch.empty_like(h)
-    moe = (*experts, out, c.expert_offset, beside)
-    fused_moe_beside_routing(h, routing, c.top_k, *moe)  # warm-up: compiled, counters made
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_moe_beside_routing(h, routing, c.top_k, *moe)
-    for _ in range(5):
-        out.zero_()
-        routed_ids.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
-        assert not triton_moe._counters[h.device].any()
 
 
 @pytest.mark.gpu

@@ -36,8 +36,8 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
         the fused layer in each programmatic dependent launch mode
         (triton_common.dependent_launch), each against "off" in alternating replays, and
         whether they all give the same bits
-    python3 benchmarks/mla_moe_device_check.py --sweep-warps    # as --sweep-pdl: the layer
-        with one small kernel's warps per program changed (each WARP_VARIANTS entry) against
+    python3 benchmarks/mla_moe_device_check.py --sweep-small-kernels  # as --sweep-pdl: the
+        layer with one small kernel's launch changed (each SMALL_KERNEL_VARIANTS entry) against
         the plan
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
@@ -1092,41 +1092,43 @@ def _compare_pdl_modes(
         triton_common.dependent_launch = DEPENDENT_LAUNCH_DEFAULT
 
 
-# Warps per program of the small kernels: each one changed alone, the rest as planned.
-WARP_VARIANTS: dict[str, tuple[str, list[int]]] = {
-    "prep": ("prep_warps", [1, 2, 8]),  # latent_prep (plan: 4)
-    "absorb": ("absorb_warps", [2, 8]),  # q_absorb (plan: 4)
-    "combine": ("combine_warps", [1, 2, 8]),  # the attention combine (plan: 4)
-    "uv": ("uv_warps", [1, 2, 8]),  # w_uv (plan: 4)
-    "norm": ("norm_warps", [4, 8]),  # the post-attention add + RMSNorm (plan: 16)
-    "route": ("route_warps", [1, 2]),  # the routing kernel (plan: 4)
+# The small kernels' launch shapes: each change alone against the plan. The first sweep
+# (2026-12-04, docs/benchmarks.md) tried 1, 2 and 8 warps for latent_prep, the combine and w_uv,
+# 2 and 8 for q_absorb, 4 and 8 for the post-attention norm, 1 and 2 for routing: none won by
+# more than 1%, and fewer warps lost up to 8.5%.
+SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool]] = {
+    "prep 8 warps": ("prep_warps", 8),  # latent_prep (plan: 4)
+    "prep 16 warps": ("prep_warps", 16),
+    "route 8 warps": ("route_warps", 8),  # the routing kernel (plan: 4)
+    "route 16 warps": ("route_warps", 16),
+    "route weights in loop": ("route_weights_in_loop", True),  # its first build's order
+    "norm 32 warps": ("norm_warps", 32),  # the post-attention add + RMSNorm (plan: 16)
+    "absorb 8 warps": ("absorb_warps", 8),  # q_absorb (plan: 4)
 }
 
 
-def with_warps(plan: fused.LayerPlan, field_name: str, warps: int) -> fused.LayerPlan:
-    """The plan with one small kernel's warps per program changed."""
+def with_plan_value(plan: fused.LayerPlan, field_name: str, value: int | bool) -> fused.LayerPlan:
+    """The plan with one small kernel's launch field changed."""
     if hasattr(plan.attention, field_name):
-        return replace(plan, attention=replace(plan.attention, **{field_name: warps}))
-    return replace(plan, **{field_name: warps})
+        return replace(plan, attention=replace(plan.attention, **{field_name: value}))
+    return replace(plan, **{field_name: value})
 
 
-def _compare_warps(
+def _compare_small_kernels(
     problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
-    """The plan ("off") and each WARP_VARIANTS change, e.g. "route 1": the routing kernel in
-    one warp per program."""
+    """The plan ("off") and each SMALL_KERNEL_VARIANTS change."""
     planned = fused.layer_plan
 
-    def use(field_name: str, warps: int) -> None:
+    def use(change: tuple[str, int | bool] | None) -> None:
         def changed(*key: Any) -> fused.LayerPlan:
             plan = planned(*key)
-            return with_warps(plan, field_name, warps) if field_name else plan
+            return with_plan_value(plan, *change) if change else plan
 
         fused.layer_plan = changed  # read at capture, as the launch mode is
 
-    variants = {"off": partial(use, "", 0)}
-    for kernel, (field_name, counts) in WARP_VARIANTS.items():
-        variants |= {f"{kernel} {n}": partial(use, field_name, n) for n in counts}
+    variants = {"off": partial(use, None)}
+    variants |= {name: partial(use, change) for name, change in SMALL_KERNEL_VARIANTS.items()}
     try:
         _compare_variants(problem, weights, case, row, t, variants)
     finally:
@@ -1319,8 +1321,8 @@ def main() -> None:
     contexts = [8192] if args.quick else [1024, 8192, 32768]
     if args.small:
         contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
-    if args.sweep_pdl or args.sweep_warps:
-        compare = _compare_pdl_modes if args.sweep_pdl else _compare_warps
+    if args.sweep_pdl or args.sweep_small_kernels:
+        compare = _compare_pdl_modes if args.sweep_pdl else _compare_small_kernels
         print(f"== {compare.__name__}", flush=True)
         cases = [(b, c) for b in args.batches or batches for c in contexts]
         pdl_rows = _each_case(
@@ -1431,7 +1433,7 @@ def _parse_args() -> argparse.Namespace:
         type=int,
         nargs="+",
         help="the batches of --sweep-attention, --sweep-moe, --sweep-router, --sweep-combine, "
-        "--profile-fused, --sweep-pdl and --sweep-warps (on the GPU by default 1 8, "
+        "--profile-fused, --sweep-pdl and --sweep-small-kernels (on the GPU by default 1 8, "
         "1 8 64, 1 8 64, 1 8 64, 1 4 8, and the part-2 batches; the other runs ignore it)",
     )
     parser.add_argument(
@@ -1440,10 +1442,10 @@ def _parse_args() -> argparse.Namespace:
         help="instead of parts 1 and 2: the fused layer, dependent launch off / wait / prefetch",
     )
     parser.add_argument(
-        "--sweep-warps",
+        "--sweep-small-kernels",
         action="store_true",
-        help="instead of parts 1 and 2: the fused layer with one small kernel's warps per "
-        "program changed, each change against the plan (as --sweep-pdl compares)",
+        help="instead of parts 1 and 2: the fused layer with one small kernel's launch "
+        "changed, each change against the plan (as --sweep-pdl compares)",
     )
     parser.add_argument(
         "--skip", nargs="*", default=[], help="kernel checks to leave out, e.g. input_norm"

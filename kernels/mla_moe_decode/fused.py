@@ -211,10 +211,12 @@ class LayerPlan:
     router: GemvBlocks
     attention: AttentionBlocks
     moe: MoeBlocks
-    # warps per program of the row-wise kernels (4, 16, 4 as first built; `--sweep-warps`)
+    # warps per program of the row-wise kernels (4, 16, 4 as first built;
+    # `--sweep-small-kernels`)
     prep_warps: int = 4  # latent_prep
     norm_warps: int = 16  # the post-attention add + RMSNorm
     route_warps: int = 4
+    route_weights_in_loop: bool = False  # the routing kernel's first build (one sum per slot)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -400,7 +402,13 @@ def _attention_and_routing(
     add_rmsnorm(attn, residuals, *norm)
     bias, scaling = w["e_score_correction_bias"], c.routed_scaling_factor
     logits = splitk_gemv(moe_in, w["gate"], plan.router)
-    routing_rule = (c.top_k, c.norm_topk_prob, scaling, plan.route_warps)
+    routing_rule = (
+        c.top_k,
+        c.norm_topk_prob,
+        scaling,
+        plan.route_warps,
+        plan.route_weights_in_loop,
+    )
     ids, routing = route_experts(logits, bias, *routing_rule)
     return moe_in, ids, routing
 

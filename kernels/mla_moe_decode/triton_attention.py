@@ -60,7 +60,7 @@ class AttentionBlocks:
     uv_cols: int  # V columns per w_uv program
     split_warps: int
     split_stages: int
-    # warps per program of the three small kernels (4 as first built; `--sweep-warps`)
+    # warps per program of the three small kernels (4 as first built; --sweep-small-kernels)
     absorb_warps: int = 4
     combine_warps: int = 4
     uv_warps: int = 4

@@ -100,6 +100,7 @@ def _route_kernel(
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WEIGHTS_IN_LOOP: tl.constexpr,  # the first build's order (--sweep-small-kernels)
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -117,13 +118,22 @@ def _route_kernel(
     slots = tl.arange(0, BLOCK_K)[None, :]  # (1, BLOCK_K)
     ids = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
     weights = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    slot_of = tl.full((ROWS, BLOCK_E), BLOCK_K, tl.int32)  # each expert's slot; BLOCK_K: none
     for slot in tl.static_range(TOP_K):
         best = tl.argmax(choice, axis=1)  # (ROWS,): the first of equal maxima
         picked = experts[None, :] == best[:, None]  # (ROWS, BLOCK_E)
-        weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)  # the unbiased score
+        if WEIGHTS_IN_LOOP:
+            weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)  # the unbiased score
+            weights = tl.where(slots == slot, weight[:, None], weights)
+        slot_of = tl.where(picked, slot, slot_of)
         ids = tl.where(slots == slot, best[:, None], ids)
-        weights = tl.where(slots == slot, weight[:, None], weights)
         choice = tl.where(picked, float("-inf"), choice)
+    if not WEIGHTS_IN_LOOP:
+        # every slot's unbiased score in one reduction after the loop, rather than one per
+        # slot inside it: each is a block-wide reduction (shared memory and barriers) on the
+        # routing kernel's critical path. One nonzero term per slot: the same bits.
+        at_slot = slot_of[:, None, :] == slots[:, :, None]  # (ROWS, BLOCK_K, BLOCK_E)
+        weights = tl.sum(tl.where(at_slot, scores[:, None, :], 0.0), axis=2)
     if NORMALIZE:
         weights = weights / tl.sum(weights, axis=1, keep_dims=True)
     weights = weights * scaling
@@ -140,6 +150,7 @@ def route(
     normalize: bool,
     scaling: float,
     num_warps: int = 4,
+    weights_in_loop: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """parts (splits, B, E_total) fp32 -> (ids (B, top_k) int32 global, weights (B, top_k) fp32)."""
     n_splits, batch, n = parts.shape
@@ -164,6 +175,7 @@ def route(
         ROWS=rows,
         BLOCK_E=triton.next_power_of_2(experts_total),
         BLOCK_K=triton.next_power_of_2(top_k),
+        WEIGHTS_IN_LOOP=weights_in_loop,
         num_warps=num_warps,
         **pdl_options(parts.device),
     )

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.mla_moe_device_check import WARP_VARIANTS, with_warps
+from benchmarks.mla_moe_device_check import SMALL_KERNEL_VARIANTS, with_plan_value
 from kernels.mla_moe_decode import fused
 from kernels.mla_moe_decode.config import LayerConfig
 
@@ -107,24 +107,23 @@ def test_combine_sweep_checks_each_program_shape_against_the_reference(tmp_path:
     }
 
 
-def test_warps_sweep_times_each_small_kernel_change_against_the_plan(tmp_path: Path) -> None:
-    out = tmp_path / "warps.json"
-    args = ("--small", "--quick", "--sweep-warps", "--batches", "3", "--out", str(out))
+def test_small_kernel_sweep_times_each_change_against_the_plan(tmp_path: Path) -> None:
+    out = tmp_path / "small.json"
+    args = ("--small", "--quick", "--sweep-small-kernels", "--batches", "3", "--out", str(out))
     _run("mla_moe_device_check.py", *args)
     rows = json.loads(out.read_text())["pdl"]
     assert [(r["batch"], r["errors"]) for r in rows] == [(3, [])]
-    variants = {f"{k} {n}" for k, (_, counts) in WARP_VARIANTS.items() for n in counts}
-    assert set(rows[0]["us"]) == variants
-    # the interpreter ignores num_warps: every change must give the plan's bits there
-    assert rows[0]["same_bits"] == dict.fromkeys(variants, True)
-    assert all(rows[0]["us"][v] > 0 and rows[0]["off_us"][v] > 0 for v in variants)
+    assert set(rows[0]["us"]) == set(SMALL_KERNEL_VARIANTS)
+    # the interpreter ignores num_warps, and the routing orders give the same bits anyway
+    assert rows[0]["same_bits"] == dict.fromkeys(SMALL_KERNEL_VARIANTS, True)
+    assert all(rows[0]["us"][v] > 0 and rows[0]["off_us"][v] > 0 for v in SMALL_KERNEL_VARIANTS)
 
 
-def test_with_warps_changes_that_kernel_alone() -> None:
+def test_with_plan_value_changes_that_kernel_alone() -> None:
     plan = fused.layer_plan(LayerConfig(), 8, 1024, True, 132)
-    for field_name, counts in WARP_VARIANTS.values():
+    for field_name, value in SMALL_KERNEL_VARIANTS.values():
         expected = dataclasses.asdict(plan)
         owner = expected["attention"] if field_name in expected["attention"] else expected
-        assert owner[field_name] not in counts  # the plan's own count is the "off" variant
-        owner[field_name] = counts[0]
-        assert dataclasses.asdict(with_warps(plan, field_name, counts[0])) == expected
+        assert owner[field_name] != value  # the plan's own value is the "off" variant
+        owner[field_name] = value
+        assert dataclasses.asdict(with_plan_value(plan, field_name, value)) == expected

@@ -525,6 +525,27 @@ def test_routing_picks_the_biased_top_k_and_weighs_by_the_unbiased_scores() -> N
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
 
 
+def test_routing_weighs_after_the_loop_with_the_bits_of_weighing_inside_it() -> None:
+    """The routing kernel takes each slot's unbiased score in one reduction after the top-k
+    loop; its first build took one per slot inside the loop (still an option, for the
+    device sweep). Same ids, same weights, bit for bit, ties in the biased score included
+    (a tie goes to the lower expert id in both)."""
+    c, gen = LAYER, torch.Generator().manual_seed(6)
+    parts = torch.randn(2, 20, c.experts_total, generator=gen)
+    parts[:, 3] = 0.25  # row 3: every expert tied before the bias
+    bias = torch.zeros(c.experts_total)
+    bias[::5] = 0.5  # and tied again among every fifth expert after it
+    rule = (c.top_k, c.norm_topk_prob, c.routed_scaling_factor)
+    after = route(parts, bias, *rule)
+    inside = route(parts, bias, *rule, weights_in_loop=True)
+    assert torch.equal(after[0], inside[0]) and torch.equal(after[1], inside[1])
+    assert after[0][3].tolist() == list(range(0, 5 * c.top_k, 5))  # ties: lower ids first
+    expected_weights, expected_ids = stock._select_experts(c, parts.sum(0), bias)
+    untied = torch.arange(20) != 3  # torch.topk orders ties its own way
+    assert torch.equal(after[0][untied].long(), expected_ids[untied])
+    torch.testing.assert_close(after[1], expected_weights, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(("programs", "cols"), [(0, 64), (3, 64), (0, 16)])
 @pytest.mark.parametrize(("splits", "shared_splits"), [(1, 1), (3, 2), (1, 3)])
 @pytest.mark.parametrize("batch", [1, 2, 3, 64])

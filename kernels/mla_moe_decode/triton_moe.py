@@ -131,7 +131,9 @@ def _route_kernel(
     if not WEIGHTS_IN_LOOP:
         # every slot's unbiased score in one reduction after the loop, rather than one per
         # slot inside it: each is a block-wide reduction (shared memory and barriers) on the
-        # routing kernel's critical path. One nonzero term per slot: the same bits.
+        # routing kernel's critical path. One nonzero term per slot, so the same scores; the
+        # weights come out in another register layout, so on the GPU the normalizing sum below
+        # may add the eight in another order (the last bit of a weight; measured 2026-12-04)
         at_slot = slot_of[:, None, :] == slots[:, :, None]  # (ROWS, BLOCK_K, BLOCK_E)
         weights = tl.sum(tl.where(at_slot, scores[:, None, :], 0.0), axis=2)
     if NORMALIZE:

@@ -11,7 +11,8 @@ routing draw needs, at the measured bandwidth) plus K - 1 kernel boundaries, eac
 At batch 1 the floor depends mostly on how many of this GPU's experts the token chose: each one
 is 88 MB, the rest of the layer about 68 MB plus the cache. This script reads
 
-  - a launch_floor.json (per-kernel cost, plain and with programmatic dependent launch), and
+  - a launch_floor.json (per-kernel cost, plain and with programmatic dependent launch; and
+    where the file has it, a persistent kernel's cost per phase between grid barriers), and
   - a validate's evidence (each batch-1 case's bytes, bandwidth, layers, measured fraction),
 
 and prints, per batch-1 case, the bound for its own draw next to what the fused path reached;
@@ -45,15 +46,19 @@ from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem
 
 MODES = ("off", "exit")  # plain launches, and PDL released as programs exit (launch_floor.py)
+# a persistent kernel's phases between grid barriers (launch_floor.py since 2026-12-04): used
+# where the file has it, the cost of one phase standing for one kernel boundary
+OPTIONAL_MODES = ("barrier",)
 
 
 def per_kernel_costs(launch_floor: dict[str, Any]) -> dict[str, float]:
     """µs per dependent kernel by launch mode, from the widest chains (one program per SM, as
-    the layer's kernels have). Each of MODES must be there exactly once."""
+    the layer's kernels have). Each of MODES must be there exactly once, each of
+    OPTIONAL_MODES at most once."""
     widest = max(row["programs"] for row in launch_floor["chains"])
     costs: dict[str, float] = {}
     for row in launch_floor["chains"]:
-        if row["programs"] != widest or row["mode"] not in MODES:
+        if row["programs"] != widest or row["mode"] not in MODES + OPTIONAL_MODES:
             continue
         if row["mode"] in costs:
             raise ValueError(f"launch floor: two {row['mode']!r} chains of {widest} programs")

@@ -6,7 +6,10 @@ counts. This measures that cost directly. A graph holds N launches of one tiny T
 each reading the value the previous one wrote (a true dependency), with G programs each (1, and
 one per SM as the layer's kernels have); its replay time over N is the cost of one dependent
 kernel. Repeated with programmatic dependent launch ("exit": released as programs exit;
-"early": released at the start). Then the bound it implies for a layer of K kernels:
+"early": released at the start), and as one persistent kernel whose N phases are separated by
+grid-wide barriers ("barrier": each program reads, after the barrier, what another program
+wrote before it), which is what a persistent layer would pay per phase instead of a kernel
+boundary. Then the bound it implies for a layer of K kernels:
 
     best time = floor bytes / read bandwidth + (K - 1) x per-kernel cost
 
@@ -39,6 +42,75 @@ CHAIN_LENGTHS = (1, 8, 16, 32)
 LAYER_KERNELS = (14, 8, 4)  # the fused layer now; what fewer kernels would allow
 MODES = {"off": 0, "exit": 1, "early": 2}
 PAIRS = 30
+
+
+@triton.jit
+def grid_barrier(counter_ptr, arrivals):
+    """Wait until `arrivals` programs in all have called this since the counter was zeroed: a
+    release add of one, then acquire reads until the count is there. The bar.sync before it
+    makes this program's stores part of what the release publishes. Every program of the grid
+    must be resident at once, or the first ones spin forever: launch at most one per SM."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while arrived < arrivals:
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _phases_kernel(buffers_ptr, counter_ptr, PHASES: tl.constexpr):
+    """PHASES dependent steps in one launch: in each, program p adds one to what program p + 1
+    stored in the previous step (the other half of `buffers`), after a grid barrier."""
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    for phase in range(PHASES):
+        src = buffers_ptr + (phase % 2) * programs
+        dst = buffers_ptr + ((phase + 1) % 2) * programs
+        value = tl.load(src + (program + 1) % programs, volatile=True)
+        tl.store(dst + program, value + 1.0)
+        grid_barrier(counter_ptr, (phase + 1) * programs)
+
+
+def phases_graph(length: int, programs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of one persistent launch of `length` phases (the counter zeroed before it);
+    returns it with the buffers, whose live half holds `length` everywhere after a replay."""
+    buffers = torch.zeros(2, programs, device="cuda")
+    counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+
+    def run() -> None:
+        buffers.zero_()
+        counter.zero_()
+        _phases_kernel[(programs,)](buffers, counter, PHASES=length)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph, buffers
+
+
+def per_barrier_us(programs: int) -> dict[str, float]:
+    """As per_kernel_us, for phases of one persistent launch; fails if a replay's values show
+    that some program read before its neighbour had written (a broken barrier)."""
+    graphs = {n: phases_graph(n, programs) for n in CHAIN_LENGTHS}
+    for n, (graph, buffers) in graphs.items():
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(buffers[n % 2], torch.full_like(buffers[0], float(n))):
+            raise RuntimeError(
+                f"grid barrier: {n} phases of {programs} programs gave the wrong sums"
+            )
+    short, long = CHAIN_LENGTHS[0], CHAIN_LENGTHS[-1]
+    pairs = timed_pairs(
+        graphs[long][0].replay, graphs[short][0].replay, PAIRS, torch.device("cuda")
+    )
+    long_us, short_us = median([a for a, _ in pairs]), median([b for _, b in pairs])
+    return {
+        f"chain_{short}_us": short_us,
+        f"chain_{long}_us": long_us,
+        "per_kernel_us": (long_us - short_us) / (long - short),
+    }
 
 
 @triton.jit
@@ -113,6 +185,9 @@ def main() -> None:
             row = {"programs": programs, "mode": mode, **per_kernel_us(programs, level)}
             chains.append(row)
             print(row, flush=True)
+        row = {"programs": programs, "mode": "barrier", **per_barrier_us(programs)}
+        chains.append(row)
+        print(row, flush=True)
     _, read_bw = bandwidths(Target(torch.device("cuda"), small=False))
     plain = next(r for r in chains if r["programs"] == sm_count and r["mode"] == "off")
     bounds = layer_bounds(plain["per_kernel_us"], read_bw)
@@ -127,7 +202,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"read bandwidth {read_bw / 1e12:.3f} TB/s; wrote {args.out}")
-    print("\n| programs | mode | µs per dependent kernel |\n|---|---|---|")
+    print("\n| programs | mode | µs per dependent kernel (barrier: per phase) |\n|---|---|---|")
     for row in chains:
         print(f"| {row['programs']} | {row['mode']} | {row['per_kernel_us']:.2f} |")
     print(

@@ -130,3 +130,23 @@ def test_time_above_the_floor_is_per_batch_and_sets_the_floor_a_case_needs() -> 
     assert eight["above_median_us"] == pytest.approx((above[1] + above[2]) / 2)  # 4 contexts
     assert eight["above_max_us"] == pytest.approx(above[3])
     assert eight["floor_needed_us"] == pytest.approx(eight["above_median_us"] * 0.7 / 0.3)
+
+
+def test_a_persistent_kernels_barrier_counts_where_the_launch_floor_has_it() -> None:
+    """launch_floor.py's "barrier" rows (a persistent kernel's phases) join the plain and PDL
+    costs when present; older files without them still give the two; a second one is refused."""
+    with_barrier = {
+        "chains": [
+            *LAUNCH_FLOOR["chains"],
+            {"programs": 1, "mode": "barrier", "per_kernel_us": 0.1},  # narrow: not used
+            {"programs": 132, "mode": "barrier", "per_kernel_us": 0.5},
+        ]
+    }
+    costs = batch1_bound.per_kernel_costs(with_barrier)
+    assert costs == {"off": 1.2, "exit": 0.8, "barrier": 0.5}
+    row = batch1_bound.bounds(with_barrier, _evidence([(1, 1024, 0.0)]), [14], 0.7)["cases"][0]
+    floor = row["floor_us"]
+    assert row["best"]["14 barrier"] == pytest.approx(floor / (floor + 13 * 0.5))
+    twice = {"chains": [*with_barrier["chains"], with_barrier["chains"][-1]]}
+    with pytest.raises(ValueError, match="two 'barrier' chains"):
+        batch1_bound.per_kernel_costs(twice)

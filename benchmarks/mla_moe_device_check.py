@@ -53,11 +53,12 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 if "--small" in sys.argv:  # before Triton is imported: the CPU runs its kernels interpreted
     os.environ["TRITON_INTERPRET"] = "1"
@@ -1102,37 +1103,38 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool]] = {
     "route 8 warps": ("route_warps", 8),  # the routing kernel (plan: 4)
     "route 16 warps": ("route_warps", 16),
     "route weights in loop": ("route_weights_in_loop", True),  # its first build's order
-    "norm 32 warps": ("norm_warps", 32),  # the post-attention add + RMSNorm (plan: 16)
+    "norm 32 warps": ("norm_warps", 32),  # the post-attention add + RMSNorm (plan: 16 here)
     "absorb 8 warps": ("absorb_warps", 8),  # q_absorb (plan: 4)
 }
 
 
 def with_plan_value(plan: fused.LayerPlan, field_name: str, value: int | bool) -> fused.LayerPlan:
     """The plan with one small kernel's launch field changed."""
+    change: dict[str, Any] = {field_name: value}
     if hasattr(plan.attention, field_name):
-        return replace(plan, attention=replace(plan.attention, **{field_name: value}))
-    return replace(plan, **{field_name: value})
+        return replace(plan, attention=replace(plan.attention, **change))
+    return replace(plan, **change)
 
 
 def _compare_small_kernels(
     problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
-    """The plan ("off") and each SMALL_KERNEL_VARIANTS change."""
+    """The plan ("off") and each SMALL_KERNEL_VARIANTS change: fused.layer_plan is replaced,
+    for the whole comparison, by one that applies the current variant's change."""
     planned = fused.layer_plan
+    current: list[tuple[str, int | bool]] = []  # the change in force; none for "off"
+
+    def changed(*key: Any) -> fused.LayerPlan:
+        plan = planned(*key)
+        return with_plan_value(plan, *current[0]) if current else plan
 
     def use(change: tuple[str, int | bool] | None) -> None:
-        def changed(*key: Any) -> fused.LayerPlan:
-            plan = planned(*key)
-            return with_plan_value(plan, *change) if change else plan
-
-        fused.layer_plan = changed  # read at capture, as the launch mode is
+        current[:] = [change] if change else []
 
     variants = {"off": partial(use, None)}
     variants |= {name: partial(use, change) for name, change in SMALL_KERNEL_VARIANTS.items()}
-    try:
+    with mock.patch.object(fused, "layer_plan", changed):  # read at capture, as PDL's mode
         _compare_variants(problem, weights, case, row, t, variants)
-    finally:
-        fused.layer_plan = planned
 
 
 def _compare_variants(
@@ -1141,7 +1143,7 @@ def _compare_variants(
     case: Case,
     row: PdlRow,
     t: Target,
-    variants: dict[str, Callable[[], None]],
+    variants: Mapping[str, Callable[[], None]],
 ) -> None:
     """Each variant (set up by its function, then captured) against "off" in alternating
     replays: µs per layer, and whether it gives "off"'s bits."""
@@ -1151,8 +1153,10 @@ def _compare_variants(
     for name, set_up in variants.items():
         set_up()
         layer_set, outputs[name] = _layers(problem, pairs, case, t)
-        steps[name] = _step(fused.forward, layer_set, t)
-        steps[name]()
+        step = _step(fused.forward, layer_set, t)
+        step()
+        # a graph keeps what was set up at its capture; eager calls (the CPU) read it each time
+        steps[name] = step if t.on_gpu else _after(set_up, step)
     _sync(t)
     for name in [v for v in variants if v != "off"]:
         row.same_bits[name] = all(
@@ -1163,6 +1167,14 @@ def _compare_variants(
         samples = timed_pairs(steps[name], steps["off"], PAIRS if t.on_gpu else 2, t.device)
         row.us[name] = median([a for a, _ in samples]) / LAYERS
         row.off_us[name] = median([b for _, b in samples]) / LAYERS
+
+
+def _after(set_up: Callable[[], None], step: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        set_up()
+        step()
+
+    return run
 
 
 def print_pdl_table(rows: list[PdlRow]) -> None:

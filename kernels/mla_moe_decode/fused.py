@@ -211,10 +211,10 @@ class LayerPlan:
     router: GemvBlocks
     attention: AttentionBlocks
     moe: MoeBlocks
-    # warps per program of the row-wise kernels (4, 16, 4 as first built;
-    # `--sweep-small-kernels`)
+    # warps per program of the row-wise kernels, as first built (the 2026-12-04 sweeps in
+    # docs/benchmarks.md changed none of them)
     prep_warps: int = 4  # latent_prep
-    norm_warps: int = 16  # the post-attention add + RMSNorm
+    norm_warps: int | None = None  # the post-attention add + RMSNorm; None: add_rmsnorm's rule
     route_warps: int = 4
     route_weights_in_loop: bool = False  # the routing kernel's first build (one sum per slot)
 

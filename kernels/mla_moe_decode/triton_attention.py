@@ -60,7 +60,8 @@ class AttentionBlocks:
     uv_cols: int  # V columns per w_uv program
     split_warps: int
     split_stages: int
-    # warps per program of the three small kernels (4 as first built; --sweep-small-kernels)
+    # warps per program of the three small kernels, as first built (the 2026-12-04 sweeps in
+    # docs/benchmarks.md changed none of them)
     absorb_warps: int = 4
     combine_warps: int = 4
     uv_warps: int = 4

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from benchmarks import mla_moe_device_check as device_check
 from benchmarks.mla_moe_device_check import SMALL_KERNEL_VARIANTS, with_plan_value
 from kernels.mla_moe_decode import fused
 from kernels.mla_moe_decode.config import LayerConfig
@@ -127,3 +131,29 @@ def test_with_plan_value_changes_that_kernel_alone() -> None:
         assert owner[field_name] != value  # the plan's own value is the "off" variant
         owner[field_name] = value
         assert dataclasses.asdict(with_plan_value(plan, field_name, value)) == expected
+
+
+def test_small_kernel_sweep_sets_each_variants_plan_and_restores_the_plan_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The comparison itself stubbed: each variant's set-up makes the layer's own plan lookup
+    (fused._plan) return that variant's plan and "off" the plan itself; afterwards, even when
+    the comparison raises, fused.layer_plan is the original again."""
+    original = fused.layer_plan
+    x = torch.empty(8, LayerConfig().hidden)
+    seen = {}
+
+    def compare(*args: object) -> None:
+        for name, set_up in args[-1].items():  # type: ignore[attr-defined]
+            set_up()
+            seen[name] = fused._plan(LayerConfig(), x, 1024)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(device_check, "_compare_variants", compare)
+    with pytest.raises(RuntimeError, match="stop"):
+        device_check._compare_small_kernels(None, [], None, None, None)  # type: ignore[arg-type]
+    assert fused.layer_plan is original
+    plan = original(LayerConfig(), 8, 1024, False, 0)
+    assert seen["off"] == plan
+    for name, (field_name, value) in SMALL_KERNEL_VARIANTS.items():
+        assert seen[name] == with_plan_value(plan, field_name, value) != plan

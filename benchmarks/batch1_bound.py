@@ -20,12 +20,15 @@ then, from the routing draw (8 of the experts_total ids per token, `experts` of 
 hypergeometric), the probability that a perfect K-kernel layer meets the target at each context
 and at all of them in one validate; last, per batch, the fused path's µs above the floor and the
 floor a case needs to meet the target with that much. Nothing here runs on a GPU: every number
-comes from the two measured files and the problem's byte counts (Problem.layer_bytes).
+comes from the two measured files, the problem's byte counts (Problem.layer_bytes) and any cost
+per step given with --step-us (say, what the cheapest real kernel of the layer costs in its
+chain, from a profile).
 
     python3 benchmarks/batch1_bound.py \\
         --launch-floor docs/runs/2026-12-03-launch-floor/launch_floor.json \\
         --evidence docs/runs/2026-12-04-kimi-k2-h200-full-12/evidence.json.gz \\
-        [--kernels 14 15 8] [--target 0.7] [--out pathgate-out/benchmarks/batch1_bound.json]
+        [--kernels 14 15 8] [--target 0.7] [--step-us 2.9]
+        [--out pathgate-out/benchmarks/batch1_bound.json]
 """
 
 from __future__ import annotations
@@ -142,11 +145,18 @@ def batch1_rows(evidence: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def bounds(
-    launch_floor: dict[str, Any], evidence: dict[str, Any], kernel_counts: list[int], target: float
+    launch_floor: dict[str, Any],
+    evidence: dict[str, Any],
+    kernel_counts: list[int],
+    target: float,
+    step_costs: tuple[float, ...] = (),
 ) -> dict[str, Any]:
+    """The tables below, for each launch mode of the launch floor and each of `step_costs`
+    (µs per dependent step taken as given, e.g. what the cheapest real kernel of the layer
+    costs in its chain: a mode named "<µs> us")."""
     problem = Problem(evidence["manifest"]["model"]["config"])
     c = problem.config
-    costs = per_kernel_costs(launch_floor)
+    costs = per_kernel_costs(launch_floor) | {f"{us:g} us": us for us in step_costs}
     rows = batch1_rows(evidence)
     if not rows:
         raise ValueError("the evidence has no single-GPU batch-1 case")
@@ -265,10 +275,18 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, nargs="+", default=[14, 15, 8])
     parser.add_argument("--target", type=float, default=0.7)
     parser.add_argument(
+        "--step-us",
+        type=float,
+        nargs="*",
+        default=[],
+        help="more costs per dependent step to bound with, in µs (beside the launch floor's)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/batch1_bound.json")
     )
     args = parser.parse_args()
-    result = bounds(_load(args.launch_floor), _load(args.evidence), args.kernels, args.target)
+    launch_floor, evidence = _load(args.launch_floor), _load(args.evidence)
+    result = bounds(launch_floor, evidence, args.kernels, args.target, tuple(args.step_us))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_tables(result)

@@ -150,3 +150,13 @@ def test_a_persistent_kernels_barrier_counts_where_the_launch_floor_has_it() -> 
     twice = {"chains": [*with_barrier["chains"], with_barrier["chains"][-1]]}
     with pytest.raises(ValueError, match="two 'barrier' chains"):
         batch1_bound.per_kernel_costs(twice)
+
+
+def test_a_given_cost_per_step_is_bounded_beside_the_launch_floors() -> None:
+    evidence = _evidence([(1, 1024, 1.0)])
+    result = batch1_bound.bounds(LAUNCH_FLOOR, evidence, [10], 0.7, (2.9,))
+    assert result["per_kernel_us"] == {"off": 1.2, "exit": 0.8, "2.9 us": 2.9}
+    row = result["cases"][0]
+    floor = row["floor_us"]
+    assert row["best"]["10 2.9 us"] == pytest.approx(floor / (floor + 9 * 2.9))
+    assert row["chance"]["10 2.9 us"] <= row["chance"]["10 off"]  # dearer steps: no better

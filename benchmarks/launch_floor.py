@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,8 +92,8 @@ def phases_graph(length: int, programs: int) -> tuple[torch.cuda.CUDAGraph, torc
 
 
 def per_barrier_us(programs: int) -> dict[str, float]:
-    """As per_kernel_us, for phases of one persistent launch; fails if a replay's values show
-    that some program read before its neighbour had written (a broken barrier)."""
+    """As per_kernel_us, for the phases of one persistent launch; fails if a replay's values
+    show that some program read before its neighbour had written (a broken barrier)."""
     graphs = {n: phases_graph(n, programs) for n in CHAIN_LENGTHS}
     for n, (graph, buffers) in graphs.items():
         graph.replay()
@@ -101,16 +102,7 @@ def per_barrier_us(programs: int) -> dict[str, float]:
             raise RuntimeError(
                 f"grid barrier: {n} phases of {programs} programs gave the wrong sums"
             )
-    short, long = CHAIN_LENGTHS[0], CHAIN_LENGTHS[-1]
-    pairs = timed_pairs(
-        graphs[long][0].replay, graphs[short][0].replay, PAIRS, torch.device("cuda")
-    )
-    long_us, short_us = median([a for a, _ in pairs]), median([b for _, b in pairs])
-    return {
-        f"chain_{short}_us": short_us,
-        f"chain_{long}_us": long_us,
-        "per_kernel_us": (long_us - short_us) / (long - short),
-    }
+    return chain_slope({n: graph.replay for n, (graph, _) in graphs.items()})
 
 
 @triton.jit
@@ -138,11 +130,15 @@ def chain_graph(length: int, programs: int, level: int) -> torch.cuda.CUDAGraph:
 
 
 def per_kernel_us(programs: int, level: int) -> dict[str, float]:
-    """Replay µs of each chain length, and the slope between the shortest and the longest:
-    the cost one more dependent kernel adds."""
     graphs = {n: chain_graph(n, programs, level) for n in CHAIN_LENGTHS}
+    return chain_slope({n: graph.replay for n, graph in graphs.items()})
+
+
+def chain_slope(replays: dict[int, Callable[[], None]]) -> dict[str, float]:
+    """Replay µs of the shortest and the longest chain, timed in alternating pairs, and the
+    slope between them: the cost one more dependent step adds."""
     short, long = CHAIN_LENGTHS[0], CHAIN_LENGTHS[-1]
-    pairs = timed_pairs(graphs[long].replay, graphs[short].replay, PAIRS, torch.device("cuda"))
+    pairs = timed_pairs(replays[long], replays[short], PAIRS, torch.device("cuda"))
     long_us, short_us = median([a for a, _ in pairs]), median([b for _, b in pairs])
     return {
         f"chain_{short}_us": short_us,

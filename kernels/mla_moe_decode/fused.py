@@ -398,18 +398,14 @@ def _attention_and_routing(
     attn = splitk_gemv(o, w["o_proj"], plan.o_proj)
     moe_in = torch.empty_like(x)
     residuals = (x, inputs["residual"])
-    norm = (w["post_attention_layernorm"], out["residual_out"], moe_in, eps, plan.norm_warps)
-    add_rmsnorm(attn, residuals, *norm)
+    norm = w["post_attention_layernorm"]
+    add_rmsnorm(attn, residuals, norm, out["residual_out"], moe_in, eps, plan.norm_warps)
     bias, scaling = w["e_score_correction_bias"], c.routed_scaling_factor
     logits = splitk_gemv(moe_in, w["gate"], plan.router)
-    routing_rule = (
-        c.top_k,
-        c.norm_topk_prob,
-        scaling,
-        plan.route_warps,
-        plan.route_weights_in_loop,
-    )
-    ids, routing = route_experts(logits, bias, *routing_rule)
+    ids, routing = route_experts(
+        logits, bias, c.top_k, c.norm_topk_prob, scaling,
+        plan.route_warps, plan.route_weights_in_loop,
+    )  # fmt: skip
     return moe_in, ids, routing
 
 

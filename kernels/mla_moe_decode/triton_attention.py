@@ -448,17 +448,42 @@ def mla_attention_cp(
     group all-gathers those (one collective), and every rank combines the ranks' merged splits
     with the new token as mla_attention combines its own: the same arithmetic, its splits
     grouped by rank. Collective: every rank of the group calls it."""
+    packed = rank_merged_split(q_lat, kv_slice, kv_new, o_lat.shape[2], scale, blocks)
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, packed, group=group)
+    combine_rank_splits(torch.stack(gathered, 1), q_lat, kv_new, o_lat, scale, blocks)
+
+
+def rank_merged_split(
+    q_lat: torch.Tensor,
+    kv_slice: torch.Tensor,
+    kv_new: torch.Tensor,
+    lora: int,
+    scale: float,
+    blocks: AttentionBlocks,
+) -> torch.Tensor:
+    """One decode-CP rank's share: its slice's splits merged into one, packed as (B, H, L + 2)
+    fp32 (the partial, then its max and sum) so that one collective gathers them. The new
+    token is left out: the final combine adds it once."""
     batch, heads, _ = q_lat.shape
-    lora = o_lat.shape[2]
     stats, partial = _split_partials(q_lat, kv_slice, lora, scale, blocks)
     merged = torch.empty(2, batch, heads, device=q_lat.device, dtype=torch.float32)
     merged_partial = torch.empty(batch, heads, lora, device=q_lat.device, dtype=torch.float32)
     _combine(stats, partial, q_lat, kv_new, merged_partial, (merged[0], merged[1]), scale, blocks)
-    # (B, H, L + 2): the partial, then its max and sum, so that one collective gathers them
-    packed = torch.cat([merged_partial, merged.permute(1, 2, 0)], -1)
-    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, packed, group=group)
-    ranks = torch.stack(gathered, 1)  # (B, cp, H, L + 2): each rank one split
+    return torch.cat([merged_partial, merged.permute(1, 2, 0)], -1)
+
+
+def combine_rank_splits(
+    ranks: torch.Tensor,
+    q_lat: torch.Tensor,
+    kv_new: torch.Tensor,
+    o_lat: torch.Tensor,
+    scale: float,
+    blocks: AttentionBlocks,
+) -> None:
+    """The group's merged splits (B, cp, H, L + 2), in rank order -> o_lat (B, H, L) bf16: the
+    combine kernel over the ranks as over one GPU's splits, adding the new token once."""
+    lora = o_lat.shape[2]
     rank_stats = ranks[..., lora:].permute(3, 0, 1, 2).contiguous()  # (2, B, cp, H)
     rank_partials = ranks[..., :lora].contiguous()
     _combine(rank_stats, rank_partials, q_lat, kv_new, o_lat, None, scale, blocks)

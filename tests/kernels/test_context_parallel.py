@@ -10,7 +10,11 @@ percent of the context).
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 from types import MappingProxyType
 
 import pytest
@@ -265,7 +269,7 @@ def test_fused_cp_attention_equals_the_fused_attention_over_the_whole_cache(
     cases = DISTRIBUTED_CASES[world_size]
     outcome = run_on_ranks(fused_cp_rank, world_size, "gloo", 300.0, (cases,))
     assert isinstance(outcome, RanksFinished), outcome
-    for index, (batch, context, _) in enumerate(cases):
+    for index, (batch, context, sizes) in enumerate(cases):
         q, kv, new = _inputs(batch, context, batch + context, torch.bfloat16)
         whole = torch.empty(batch, CONFIG.heads, LORA, dtype=torch.bfloat16)
         mla_attention(
@@ -276,3 +280,55 @@ def test_fused_cp_attention_equals_the_fused_attention_over_the_whole_cache(
             got = outcome.results[rank][index]
             torch.testing.assert_close(got, whole, rtol=2**-7, atol=1e-3)
             assert _relative_error(got, reference) <= 1.1 * _relative_error(whole, reference)
+        # the one-device form that benchmarks/cp_one_gpu.py times gives rank 0's bits
+        assert torch.equal(_cp_on_one_device(q, kv, new, sizes), outcome.results[0][index])
+
+
+def _cp_on_one_device(
+    q: torch.Tensor, kv: torch.Tensor, new: torch.Tensor, sizes: tuple[int, ...]
+) -> torch.Tensor:
+    from benchmarks.cp_one_gpu import cp_attention_one_device
+    from kernels.mla_moe_decode.fused import layer_plan
+
+    slices = [rank_slice(kv, sizes, rank).contiguous() for rank in range(len(sizes))]
+    plans = [layer_plan(CONFIG, q.shape[0], part.shape[1], False, 0).attention for part in slices]
+    out = torch.empty(q.shape[0], CONFIG.heads, LORA, dtype=torch.bfloat16)
+    cp_attention_one_device(q, slices, new, out, SCALE, plans)
+    return out
+
+
+def test_the_one_device_cp_benchmark_checks_every_case(tmp_path: Path) -> None:
+    """benchmarks/cp_one_gpu.py --small: every (batch, context, CP degree) it promises, each
+    correct against the whole-cache attention and float64, with its three timings."""
+    out = tmp_path / "cp.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_one_gpu.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--small", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert report["is_gpu_evidence"] is False
+    assert [(r["batch"], r["cp"]) for r in rows] == [(b, cp) for b in (1, 3) for cp in (1, 2, 4)]
+    for r in rows:
+        assert r["error"] is None and r["correct"] is True
+        assert r["whole_us"] > 0 and r["rank_us"] > 0 and r["combine_us"] > 0
+        assert r["largest_slice"] == -(-r["context"] // r["cp"])
+        assert r["relative_error"] <= 1.1 * r["whole_relative_error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_fused_cp_attention_on_one_gpu_matches_the_whole_cache_at_real_size(cp: int) -> None:
+    """On the H200 at the real shard's sizes (batch 8, an odd context): the ranks' shares run in
+    turn and merged give the whole-cache attention within one bf16 rounding, as close to the
+    float64 attention. The collective itself needs two GPUs (test_ranks.py)."""
+    from benchmarks.cp_one_gpu import measure_case
+    from benchmarks.mla_moe_device_check import Target
+
+    real = LayerConfig.from_model_config({})
+    row = measure_case(real, 8, 5001, cp, Target(torch.device("cuda"), False), 0.0, timed=False)
+    assert row.correct, row

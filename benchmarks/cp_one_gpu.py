@@ -1,0 +1,266 @@
+"""Decode context parallelism's attention on one GPU: each rank's share and the merge, timed
+and checked, with the collective left out.
+
+What one GPU can say about CP (issue 9) before a multi-GPU machine is lent. The fused path's CP
+attention (triton_attention.mla_attention_cp) is one rank's split kernel and non-final combine
+over its slice of the latent cache (`rank_merged_split`), one all_gather of (B, H, L + 2) fp32,
+and the final combine over the ranks' merged splits (`combine_rank_splits`). Here the ranks run
+one after another in one process on one device, their packed splits stacked in rank order as
+the all_gather would leave them, so the same kernels run at the real shard's sizes:
+
+- correctness: the CP result against the fused attention over the whole cache (within one bf16
+  rounding) and against the float64 latent attention (no further from it than the whole-cache
+  result, within 10%);
+- time, each a median of CUDA-graph replays rotating over enough copies of the operands that
+  no launch is served from L2: the whole-cache attention (CP 1 as the layer runs it), the
+  largest rank's share (the slowest rank sets the pace), and the final combine.
+
+Not measured here: the all_gather (NCCL between GPUs) and the rest of the layer, which CP does
+not change. So "speedup" below is the attention's (whole / (largest rank + combine)), not the
+layer's. docs/multigpu.md has the commands for the multi-GPU table.
+
+    python3 benchmarks/cp_one_gpu.py                 # H200: batch 1, 8, 64 x 8k, 16k, 32k x CP 1-8
+    python3 benchmarks/cp_one_gpu.py --small         # CPU smoke run: test sizes, interpreter,
+                                                      # host clock (not evidence)
+
+Prints a table last and writes JSON (default pathgate-out/benchmarks/cp_one_gpu.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if "--small" in sys.argv:  # before Triton is imported: the CPU runs its kernels interpreted
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.mla_moe_device_check import (
+    H200_L2_BYTES,
+    Target,
+    _attention_operands,
+    _attention_scale,
+    _environment,
+    _plan,
+    _us_per_launch,
+    bandwidths,
+)
+from kernels.mla_moe_decode import fused, stock
+from kernels.mla_moe_decode.config import LayerConfig
+from kernels.mla_moe_decode.context_parallel import near_equal_sizes, slice_bounds
+from kernels.mla_moe_decode.triton_attention import (
+    AttentionBlocks,
+    combine_rank_splits,
+    mla_attention,
+    rank_merged_split,
+)
+
+MAX_COPIES = 256  # a rank's slice at batch 1 x 8k / 8 is 1.2 MB: 200 copies pass 4x L2
+SMALL_CASES = ((1, 40), (3, 130))
+SMALL_CPS = (1, 2, 4)
+
+
+@dataclass
+class CpRow:
+    batch: int
+    context: int
+    cp: int
+    largest_slice: int
+    whole_us: float | None = None  # mla_attention over the whole cache (CP 1)
+    rank_us: float | None = None  # the largest rank's split + non-final combine
+    combine_us: float | None = None  # the final combine over the cp merged splits
+    speedup: float | None = None  # whole_us / (rank_us + combine_us): the attention's only
+    rank_floor_fraction: float | None = None  # the largest slice's bytes / read bw / rank_us
+    max_abs_vs_whole: float | None = None
+    relative_error: float | None = None  # CP result vs the float64 attention
+    whole_relative_error: float | None = None  # the whole-cache result vs the same
+    correct: bool | None = None
+    error: str | None = None
+
+
+def cp_attention_one_device(
+    q_lat: torch.Tensor,
+    slices: list[torch.Tensor],
+    kv_new: torch.Tensor,
+    o_lat: torch.Tensor,
+    scale: float,
+    plans: list[AttentionBlocks],
+) -> None:
+    """mla_attention_cp of every rank, run in turn on one device: each rank's merged split with
+    the plan that rank makes for its slice, stacked in rank order as the all_gather leaves
+    them, then rank 0's final combine (the engine gathers rank 0's result) into o_lat."""
+    lora = o_lat.shape[2]
+    packed = [
+        rank_merged_split(q_lat, part, kv_new, lora, scale, blocks)
+        for part, blocks in zip(slices, plans, strict=True)
+    ]
+    combine_rank_splits(torch.stack(packed, 1), q_lat, kv_new, o_lat, scale, plans[0])
+
+
+def rank_slices(cache: torch.Tensor, cp: int) -> list[torch.Tensor]:
+    """Each rank's slice as a tensor of its own (a rank holds its slice, not a view)."""
+    bounds = slice_bounds(near_equal_sizes(cache.shape[1], cp))
+    return [cache[:, start:end].contiguous() for start, end in bounds]
+
+
+def measure_case(
+    c: LayerConfig, batch: int, context: int, cp: int, t: Target, read_bw: float, timed: bool = True
+) -> CpRow:
+    """One (batch, context, CP degree): the check, then (if timed) the three timings."""
+    gen = torch.Generator(device=t.device).manual_seed(1000 * batch + context + cp)
+    q_lat, cache, kv_new, whole_out, _ = _attention_operands(c, batch, context, gen, t)
+    slices = rank_slices(cache, cp)
+    row = CpRow(batch, context, cp, largest_slice=slices[0].shape[1])
+    scale = _attention_scale(c)
+    whole_blocks = _plan(c, batch, context, t).attention
+    # under CP each rank plans its attention for the slice it holds (fused._plan)
+    plans = [_plan(c, batch, part.shape[1], t).attention for part in slices]
+    mla_attention(q_lat, cache, kv_new, whole_out, scale, whole_blocks)
+    cp_out = torch.empty_like(whole_out)
+    cp_attention_one_device(q_lat, slices, kv_new, cp_out, scale, plans)
+    _check(row, c, q_lat, cache, kv_new, whole_out, cp_out)
+    if timed:
+        _time(row, q_lat, cache, slices, kv_new, cp_out, scale, [whole_blocks, *plans], t, read_bw)
+    return row
+
+
+def _check(
+    row: CpRow,
+    c: LayerConfig,
+    q_lat: torch.Tensor,
+    cache: torch.Tensor,
+    kv_new: torch.Tensor,
+    whole_out: torch.Tensor,
+    cp_out: torch.Tensor,
+) -> None:
+    wide = (x.double() for x in (q_lat, cache, kv_new))
+    reference = stock._latent_attention(*wide, c.kv_lora_rank, _attention_scale(c))
+
+    def relative(got: torch.Tensor) -> float:
+        return float((got.double() - reference).norm() / reference.norm())
+
+    row.max_abs_vs_whole = float((cp_out.double() - whole_out.double()).abs().max())
+    row.relative_error, row.whole_relative_error = relative(cp_out), relative(whole_out)
+    within_rounding = torch.allclose(cp_out.float(), whole_out.float(), rtol=2**-7, atol=1e-3)
+    row.correct = within_rounding and row.relative_error <= 1.1 * row.whole_relative_error
+
+
+def _time(
+    row: CpRow,
+    q_lat: torch.Tensor,
+    cache: torch.Tensor,
+    slices: list[torch.Tensor],
+    kv_new: torch.Tensor,
+    o_lat: torch.Tensor,
+    scale: float,
+    plans: list[AttentionBlocks],
+    t: Target,
+    read_bw: float,
+) -> None:
+    """plans: the whole cache's, then each rank's. Rank 0 holds the largest slice and makes
+    the final combine."""
+    whole_blocks, blocks = plans[0], plans[1]
+    lora = o_lat.shape[2]
+
+    def whole(s: dict[str, torch.Tensor]) -> None:
+        mla_attention(q_lat, s["x"], kv_new, o_lat, scale, whole_blocks)
+
+    def rank(s: dict[str, torch.Tensor]) -> None:
+        rank_merged_split(q_lat, s["x"], kv_new, lora, scale, blocks)
+
+    def combine(s: dict[str, torch.Tensor]) -> None:
+        combine_rank_splits(s["x"], q_lat, kv_new, o_lat, scale, blocks)
+
+    gathered = torch.stack(
+        [
+            rank_merged_split(q_lat, part, kv_new, lora, scale, part_blocks)
+            for part, part_blocks in zip(slices, plans[1:], strict=True)
+        ],
+        1,
+    )
+    row.whole_us = _us_per_launch(whole, _copies(cache, t), t)
+    row.rank_us = _us_per_launch(rank, _copies(slices[0], t), t)
+    row.combine_us = _us_per_launch(combine, _copies(gathered, t), t)
+    row.speedup = row.whole_us / (row.rank_us + row.combine_us)
+    row.rank_floor_fraction = slices[0].nbytes / read_bw / (row.rank_us * 1e-6)
+
+
+def _copies(x: torch.Tensor, t: Target) -> list[dict[str, torch.Tensor]]:
+    """x and clones of it: together more than 4x L2 on the GPU, so no launch hits L2."""
+    count = min(MAX_COPIES, max(1, math.ceil(4 * H200_L2_BYTES / max(1, x.nbytes))))
+    count = count if t.on_gpu else 1
+    return [{"x": x}] + [{"x": x.clone()} for _ in range(count - 1)]
+
+
+def print_table(rows: list[CpRow]) -> None:
+    print(
+        "| batch | context | CP | largest slice | whole µs | rank µs | combine µs | attention "
+        "speedup vs CP 1 | rank's floor fraction | max abs vs whole | rel. error (whole) | ok |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.error:
+            print(f"| {r.batch} | {r.context} | {r.cp} | error: {r.error} |")
+            continue
+        print(
+            f"| {r.batch} | {r.context} | {r.cp} | {r.largest_slice} | {r.whole_us:.1f} | "
+            f"{r.rank_us:.1f} | {r.combine_us:.1f} | {r.speedup:.2f} | "
+            f"{r.rank_floor_fraction:.2f} | {r.max_abs_vs_whole:.1e} | "
+            f"{r.relative_error:.2e} ({r.whole_relative_error:.2e}) | "
+            f"{'yes' if r.correct else 'NO'} |"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="CPU smoke run at test sizes")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--out", type=Path, default=Path("pathgate-out/benchmarks/cp_one_gpu.json"))
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.small else "cuda")
+    t = Target(device, args.small)
+    c = LayerConfig.from_model_config(fused.CPU_TEST_CONFIG if args.small else {})
+    cases = SMALL_CASES if args.small else [(b, n) for b in args.batches for n in args.contexts]
+    cps = SMALL_CPS if args.small else args.cps
+    read_bw = bandwidths(t)[1]
+    rows = []
+    for batch, context in cases:
+        for cp in cps:
+            rows.append(_measure_soft(c, batch, context, cp, t, read_bw))
+            if t.on_gpu:
+                torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "environment": _environment(t),
+        "is_gpu_evidence": t.on_gpu,
+        "read_bytes_per_s": read_bw,
+        "rows": [asdict(r) for r in rows],
+    }
+    args.out.write_text(json.dumps(report, indent=1))
+    print_table(rows)
+    print(f"wrote {args.out}")
+    return 0 if all(r.correct for r in rows) else 1
+
+
+def _measure_soft(
+    c: LayerConfig, batch: int, context: int, cp: int, t: Target, read_bw: float
+) -> CpRow:
+    """One case; an error becomes its row's, and the run goes on."""
+    try:
+        return measure_case(c, batch, context, cp, t, read_bw)
+    except Exception as exc:  # a benchmark reports every case it can
+        return CpRow(batch, context, cp, 0, error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

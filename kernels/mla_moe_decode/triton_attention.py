@@ -449,9 +449,14 @@ def mla_attention_cp(
     with the new token as mla_attention combines its own: the same arithmetic, its splits
     grouped by rank. Collective: every rank of the group calls it."""
     packed = rank_merged_split(q_lat, kv_slice, kv_new, o_lat.shape[2], scale, blocks)
-    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, packed, group=group)
-    combine_rank_splits(torch.stack(gathered, 1), q_lat, kv_new, o_lat, scale, blocks)
+    world = dist.get_world_size(group)
+    gathered = packed.new_empty(world * packed.shape[0], *packed.shape[1:])
+    _all_gather_into_tensor(gathered, packed, group=group)  # rank-major, no copy after it
+    combine_rank_splits(gathered.view(world, *packed.shape), q_lat, kv_new, o_lat, scale, blocks)
+
+
+# torch 2.13 renamed it (the old name warns); the GPU machines run torch 2.11
+_all_gather_into_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def rank_merged_split(
@@ -481,11 +486,12 @@ def combine_rank_splits(
     scale: float,
     blocks: AttentionBlocks,
 ) -> None:
-    """The group's merged splits (B, cp, H, L + 2), in rank order -> o_lat (B, H, L) bf16: the
-    combine kernel over the ranks as over one GPU's splits, adding the new token once."""
+    """The group's merged splits (cp, B, H, L + 2), rank-major as the all_gather leaves them
+    -> o_lat (B, H, L) bf16: the combine kernel over the ranks as over one GPU's splits,
+    adding the new token once."""
     lora = o_lat.shape[2]
-    rank_stats = ranks[..., lora:].permute(3, 0, 1, 2).contiguous()  # (2, B, cp, H)
-    rank_partials = ranks[..., :lora].contiguous()
+    rank_stats = ranks[..., lora:].permute(3, 1, 0, 2).contiguous()  # (2, B, cp, H)
+    rank_partials = ranks[..., :lora].transpose(0, 1).contiguous()  # (B, cp, H, L)
     _combine(rank_stats, rank_partials, q_lat, kv_new, o_lat, None, scale, blocks)
 
 

@@ -195,7 +195,7 @@ def _time(
         "combine": (combine, _copies(gathered, t)),
     }
     # rounds that alternate the three, the median of each: in this script's first version,
-    # the whole-cache attention, timed once right after the float64 check, read 7-13% slower
+    # the whole-cache attention, timed once right after the float64 check, read 8-14% slower
     # at 8 x 32k and batch 64 than in these rounds (cause not isolated; both runs in
     # docs/runs/2026-12-04-cp-one-gpu/)
     times: dict[str, list[float]] = {name: [] for name in steps}

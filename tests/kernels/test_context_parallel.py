@@ -1,4 +1,5 @@
-"""Decode context parallelism for the latent MLA attention, on CPU.
+"""Decode context parallelism for the latent MLA attention, on CPU (and, marked `gpu`, the fused
+CP attention at the real sizes on one GPU).
 
 The merged partials are compared with the stock latent attention (`stock._latent_attention`, the
 code the layer runs) and with that same code on float64 copies (the reference); the

@@ -434,6 +434,10 @@ def mla_attention(
     _combine(stats, partial, q_lat, kv_new, o_lat, None, scale, blocks)
 
 
+# torch 2.13 renamed it (the old name warns); the GPU machines run torch 2.11
+_all_gather_into_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 def mla_attention_cp(
     q_lat: torch.Tensor,
     kv_slice: torch.Tensor,
@@ -451,12 +455,8 @@ def mla_attention_cp(
     packed = rank_merged_split(q_lat, kv_slice, kv_new, o_lat.shape[2], scale, blocks)
     world = dist.get_world_size(group)
     gathered = packed.new_empty(world * packed.shape[0], *packed.shape[1:])
-    _all_gather_into_tensor(gathered, packed, group=group)  # rank-major, no copy after it
+    _all_gather_into_tensor(gathered, packed, group=group)  # rank-major: (cp * B, H, L + 2)
     combine_rank_splits(gathered.view(world, *packed.shape), q_lat, kv_new, o_lat, scale, blocks)
-
-
-# torch 2.13 renamed it (the old name warns); the GPU machines run torch 2.11
-_all_gather_into_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def rank_merged_split(

@@ -12,7 +12,7 @@ the all_gather would leave them, so the same kernels run at the real shard's siz
   rounding) and against the float64 latent attention (no further from it than the whole-cache
   result, within 10%);
 - time, each a median of CUDA-graph replays rotating over enough copies of the operands that
-  no launch is served from L2 (the final combine's small input excepted: _copies), in three
+  no launch is served from L2 (the final combine's small input excepted: _time), in three
   rounds that alternate the three (their median): the
   whole-cache attention (CP 1 as the layer runs it), the
   largest rank's share (the slowest rank sets the pace), and the final combine.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -46,10 +45,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.mla_moe_device_check import (
-    H200_L2_BYTES,
     Target,
     _attention_operands,
     _attention_scale,
+    _clones,
     _environment,
     _plan,
     _us_per_launch,
@@ -99,13 +98,26 @@ def cp_attention_one_device(
     """mla_attention_cp of every rank, run in turn on one device: each rank's merged split with
     the plan that rank makes for its slice, stacked in rank order as the all_gather leaves
     them, then rank 0's final combine (the engine gathers rank 0's result) into o_lat."""
-    lora = o_lat.shape[2]
-    packed = [
-        rank_merged_split(q_lat, part, kv_new, lora, scale, blocks)
-        for part, blocks in zip(slices, plans, strict=True)
-    ]
-    # the stack stands in for the all_gather (rank-major, as it leaves them)
-    combine_rank_splits(torch.stack(packed), q_lat, kv_new, o_lat, scale, plans[0])
+    gathered = gathered_splits(q_lat, slices, kv_new, o_lat.shape[2], scale, plans)
+    combine_rank_splits(gathered, q_lat, kv_new, o_lat, scale, plans[0])
+
+
+def gathered_splits(
+    q_lat: torch.Tensor,
+    slices: list[torch.Tensor],
+    kv_new: torch.Tensor,
+    lora: int,
+    scale: float,
+    plans: list[AttentionBlocks],
+) -> torch.Tensor:
+    """Every rank's merged split, stacked rank-major (cp, B, H, L + 2): what the all_gather
+    leaves each rank holding."""
+    return torch.stack(
+        [
+            rank_merged_split(q_lat, part, kv_new, lora, scale, blocks)
+            for part, blocks in zip(slices, plans, strict=True)
+        ]
+    )
 
 
 def rank_slices(cache: torch.Tensor, cp: int) -> list[torch.Tensor]:
@@ -183,16 +195,13 @@ def _time(
     def combine(s: dict[str, torch.Tensor]) -> None:
         combine_rank_splits(s["x"], q_lat, kv_new, o_lat, scale, blocks)
 
-    gathered = torch.stack(
-        [
-            rank_merged_split(q_lat, part, kv_new, lora, scale, part_blocks)
-            for part, part_blocks in zip(slices, plans[1:], strict=True)
-        ]
-    )
+    gathered = gathered_splits(q_lat, slices, kv_new, lora, scale, plans[1:])
     steps = {
-        "whole": (whole, _copies(cache, t)),
-        "rank": (rank, _copies(slices[0], t)),
-        "combine": (combine, _copies(gathered, t)),
+        "whole": (whole, _clones({"x": cache}, t, MAX_COPIES)),
+        "rank": (rank, _clones({"x": slices[0]}, t, MAX_COPIES)),
+        # the final combine's input (16 KB-0.5 MB) stays under 4x L2 even in MAX_COPIES
+        # copies: partly served from L2, as a collective's fresh output would be
+        "combine": (combine, _clones({"x": gathered}, t, MAX_COPIES)),
     }
     # rounds that alternate the three, the median of each: in this script's first version,
     # the whole-cache attention, timed once right after the float64 check, read 8-14% slower
@@ -204,15 +213,6 @@ def _time(
             times[name].append(_us_per_launch(step, copies, t))
     row.whole_us, row.rank_us, row.combine_us = (median(times[name]) for name in steps)
     row.speedup = row.whole_us / (row.rank_us + row.combine_us)
-
-
-def _copies(x: torch.Tensor, t: Target) -> list[dict[str, torch.Tensor]]:
-    """x and clones of it: together more than 4x L2 on the GPU, so no launch hits L2, up to
-    MAX_COPIES. The final combine's input (16 KB-0.5 MB) stays under that with 256 copies, so
-    it is partly served from L2, as a collective's fresh output would be."""
-    count = min(MAX_COPIES, max(1, math.ceil(4 * H200_L2_BYTES / max(1, x.nbytes))))
-    count = count if t.on_gpu else 1
-    return [{"x": x}] + [{"x": x.clone()} for _ in range(count - 1)]
 
 
 def print_table(rows: list[CpRow]) -> None:

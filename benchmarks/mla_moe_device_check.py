@@ -549,10 +549,11 @@ def run_kernel_check(check: KernelCheck, batch: int, t: Target) -> KernelRow:
     return row
 
 
-def _clones(streamed: Tensors, t: Target) -> list[Tensors]:
-    """The operands and clones of them: together more than 4x L2, so no launch hits L2."""
+def _clones(streamed: Tensors, t: Target, max_copies: int = MAX_COPIES) -> list[Tensors]:
+    """The operands and clones of them: together more than 4x L2, so no launch hits L2 (up to
+    max_copies in all)."""
     size = max(1, sum(x.nbytes for x in streamed.values()))
-    count = min(MAX_COPIES, max(1, math.ceil(4 * H200_L2_BYTES / size))) if t.on_gpu else 1
+    count = min(max_copies, max(1, math.ceil(4 * H200_L2_BYTES / size))) if t.on_gpu else 1
     return [streamed] + [{k: v.clone() for k, v in streamed.items()} for _ in range(count - 1)]
 
 

@@ -360,6 +360,7 @@ def _fitting(
     if key not in _FIT_CACHE:
         device = args[0].device  # type: ignore[attr-defined]
         compiled = _attention_block_kernel.warmup(*args, **items, **constants, grid=(1,))
+        compiled._init_handles()  # loads the module: n_regs is known from then on
         props = torch.cuda.get_device_properties(device)
         threads = 32 * int(constants["num_warps"])  # type: ignore[call-overload]
         by_regs = props.regs_per_multiprocessor // max(1, compiled.n_regs * threads)

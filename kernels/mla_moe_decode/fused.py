@@ -225,6 +225,7 @@ class LayerPlan:
     # kernels 3-8 as one persistent launch (triton_attention_block): batch <= 8, one GPU
     persistent_attention: bool = False
     block_programs_per_sm: int = 1
+    block_one_launch: bool = True  # False: its phases as six launches (a measurement aid)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -396,7 +397,7 @@ def _attention_and_routing(
             qkv_a, w["q_a_layernorm"], w["kv_a_layernorm"], w["q_b_proj"], w["kv_b_proj"],
             positions, turns, cache, out["kv_new"], o,
         )  # fmt: skip
-        block = (plan.q_b, plan.attention, plan.block_programs_per_sm)
+        block = (plan.q_b, plan.attention, plan.block_programs_per_sm, plan.block_one_launch)
         attention_block(ops, c.qk_nope_head_dim, eps, scale, *block)
     else:
         _attention_kernels(c, w, inputs, out, plan, qkv_a, o, group)

@@ -168,7 +168,9 @@ def _attention_block_kernel(
 ):
     program, programs = tl.program_id(0), tl.num_programs(0)
     q_b_n = H * (NOPE + R)
-    if PREFETCH:  # q_b's weight slices (4.7 MB on the real shard) stream in while we wait
+    if PREFETCH and (
+        (PHASE == -1) or (PHASE == 1)
+    ):  # q_b's weight slices (4.7 MB on the real shard) stream in while we wait
         for item in range(program, q_b_items, programs):
             col, split = item % q_b_col_blocks, item // q_b_col_blocks
             prefetch_gemv_tile(q_b_ptr, q_b_n, Q, q_b_k_per_split, col, split, GEMV_N, GEMV_K)
@@ -249,9 +251,11 @@ def attention_block(
     q_b: GemvBlocks,
     blocks: AttentionBlocks,
     programs_per_sm: int,
+    one_launch: bool = True,
 ) -> None:
-    """Kernels 3-8 in one launch (the GPU) or as six launches of the same kernel (the CPU):
-    qkv_a's partial sums -> kv_new and o (o_proj's input), as latent_prep ... w_uv compute."""
+    """Kernels 3-8 in one launch (the GPU, unless `one_launch` is False) or as six launches of
+    the same kernel, one program per work item (the CPU always): qkv_a's partial sums ->
+    kv_new and o (o_proj's input), as latent_prep ... w_uv compute."""
     x = ops.qkv_parts
     batch, lora = x.shape[1], ops.kv_norm.shape[0]
     rope, q_rank = ops.kv_new.shape[1] - lora, ops.q_norm.shape[0]
@@ -316,11 +320,11 @@ def attention_block(
         "num_warps": blocks.split_warps,
         "num_stages": blocks.split_stages,
     }
-    if not x.is_cuda:
+    constants |= {"PREFETCH": prefetch_weights(x.device), **pdl_options(x.device)}
+    if not x.is_cuda or not one_launch:
         _phases_as_launches(args, items, constants)
         return
-    constants |= {"PHASE": ALL_PHASES, "PREFETCH": prefetch_weights(x.device)}
-    constants |= pdl_options(x.device)
+    constants["PHASE"] = ALL_PHASES
     sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = (sm_count * programs_that_fit(args, items, constants, programs_per_sm),)
     _attention_block_kernel[grid](*args, **items, **constants)
@@ -332,9 +336,7 @@ def _phases_as_launches(
     phase_items = ("prep_items", "q_b_items", "absorb_items", "split_items")
     phase_items += ("combine_items", "uv_items")
     for phase, key in enumerate(phase_items):
-        _attention_block_kernel[(items[key],)](
-            *args, **items, **constants, PHASE=phase, PDL=0, PREFETCH=False
-        )
+        _attention_block_kernel[(items[key],)](*args, **items, **constants, PHASE=phase)
 
 
 def programs_that_fit(
@@ -348,6 +350,8 @@ def programs_that_fit(
 
 
 _FIT_CACHE: dict[tuple[object, ...], int] = {}
+# per compiled persistent kernel: its registers, spills and shared memory (device check JSON)
+COMPILED_STATS: dict[tuple[object, ...], dict[str, int]] = {}
 
 
 def _fitting(
@@ -371,6 +375,12 @@ def _fitting(
         if fits < 1:
             raise RuntimeError("the persistent attention block fits no program on an SM")
         _FIT_CACHE[key] = fits
+        COMPILED_STATS[key] = {
+            "registers": compiled.n_regs,
+            "spills": compiled.n_spills,
+            "shared_bytes": compiled.metadata.shared,
+            "programs_per_sm": fits,
+        }
     return _FIT_CACHE[key]
 
 

@@ -39,8 +39,6 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
     python3 benchmarks/mla_moe_device_check.py --sweep-small-kernels  # as --sweep-pdl: the
         layer with one small kernel's launch changed (each SMALL_KERNEL_VARIANTS entry) against
         the plan
-    python3 benchmarks/mla_moe_device_check.py --sweep-block  # as --sweep-pdl: kernels 3-8
-        as one persistent launch or six kernels, and the persistent grid (BLOCK_VARIANTS)
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -87,7 +85,6 @@ from kernels.mla_moe_decode.triton_attention import (
     q_absorb,
     w_uv,
 )
-from kernels.mla_moe_decode.triton_attention_block import COMPILED_STATS, barrier_timeouts
 from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, route
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm
@@ -1120,57 +1117,25 @@ def with_plan_value(plan: fused.LayerPlan, field_name: str, value: int | bool) -
     return replace(plan, **change)
 
 
-# a plan field and its value, or several such pairs
-PlanChange = tuple[str, int | bool] | tuple[tuple[str, int | bool], ...]
-
-
-def with_plan_change(plan: fused.LayerPlan, change: PlanChange) -> fused.LayerPlan:
-    pairs = change if isinstance(change[0], tuple) else (change,)
-    for field_name, value in pairs:  # type: ignore[misc]
-        plan = with_plan_value(plan, field_name, value)
-    return plan
-
-
-# --sweep-block: kernels 3-8 as one persistent launch (triton_attention_block) or as six
-# kernels, and the persistent grid's programs per SM, each against the plan.
-# The first run (2026-12-04, H200) found one program per SM (the split phase's 168 KB of shared
-# memory) and the persistent launch 10-17 µs slower than the six kernels: the 32-token tiles
-# halve that shared memory, so that two programs fit.
-BLOCK_VARIANTS: dict[str, PlanChange] = {
-    "six kernels": ("persistent_attention", False),
-    "persistent": ("persistent_attention", True),
-    "phases as launches": ("block_one_launch", False),
-    "8 warps": ("split_warps", 8),
-    "32-token tiles, 2 per SM": (("block_t", 32), ("block_programs_per_sm", 2)),
-}
-
-
 def _compare_small_kernels(
-    problem: Problem,
-    weights: list[Tensors],
-    case: Case,
-    row: PdlRow,
-    t: Target,
-    changes: Mapping[str, PlanChange] = SMALL_KERNEL_VARIANTS,
+    problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
-    """The plan ("off") and each of `changes`: fused.layer_plan is replaced, for the whole
-    comparison, by one that applies the current variant's change."""
+    """The plan ("off") and each SMALL_KERNEL_VARIANTS change: fused.layer_plan is replaced,
+    for the whole comparison, by one that applies the current variant's change."""
     planned = fused.layer_plan
-    current: list[PlanChange] = []  # the change in force; none for "off"
+    current: list[tuple[str, int | bool]] = []  # the change in force; none for "off"
 
     def changed(*key: Any) -> fused.LayerPlan:
         plan = planned(*key)
-        return with_plan_change(plan, current[0]) if current else plan
+        return with_plan_value(plan, *current[0]) if current else plan
 
-    def use(change: PlanChange | None) -> None:
+    def use(change: tuple[str, int | bool] | None) -> None:
         current[:] = [change] if change else []
 
     variants = {"off": partial(use, None)}
-    variants |= {name: partial(use, change) for name, change in changes.items()}
+    variants |= {name: partial(use, change) for name, change in SMALL_KERNEL_VARIANTS.items()}
     with mock.patch.object(fused, "layer_plan", changed):  # read at capture, as PDL's mode
         _compare_variants(problem, weights, case, row, t, variants)
-    if t.on_gpu and (timeouts := barrier_timeouts(t.device)):
-        row.errors.append(f"{timeouts} grid barrier waits gave up (SPIN_LIMIT)")
 
 
 def _compare_variants(
@@ -1369,11 +1334,9 @@ def main() -> None:
     contexts = [8192] if args.quick else [1024, 8192, 32768]
     if args.small:
         contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
-    if args.sweep_pdl or args.sweep_small_kernels or args.sweep_block:
+    if args.sweep_pdl or args.sweep_small_kernels:
         compare = _compare_pdl_modes if args.sweep_pdl else _compare_small_kernels
-        if args.sweep_block:
-            compare = partial(_compare_small_kernels, changes=BLOCK_VARIANTS)
-        print(f"== {getattr(compare, '__name__', 'sweep_block')}", flush=True)
+        print(f"== {compare.__name__}", flush=True)
         cases = [(b, c) for b in args.batches or batches for c in contexts]
         pdl_rows = _each_case(
             problem, cases, t, PdlRow, compare, lambda row: print(asdict(row), flush=True)
@@ -1385,11 +1348,9 @@ def main() -> None:
                 "is_gpu_evidence": t.on_gpu,
                 "layers_per_graph": LAYERS,
                 "pdl": [asdict(r) for r in pdl_rows],
-                "persistent_block_builds": list(COMPILED_STATS.values()),
             },
         )
         print_pdl_table(pdl_rows)
-        print("persistent block builds:", list(COMPILED_STATS.values()))
         return
     if args.profile_fused:
         print("== the fused layer, kernel by kernel", flush=True)
@@ -1498,12 +1459,6 @@ def _parse_args() -> argparse.Namespace:
         action="store_true",
         help="instead of parts 1 and 2: the fused layer with one small kernel's launch "
         "changed, each change against the plan (as --sweep-pdl compares)",
-    )
-    parser.add_argument(
-        "--sweep-block",
-        action="store_true",
-        help="instead of parts 1 and 2: the fused layer with kernels 3-8 as one persistent "
-        "launch or as six kernels (each BLOCK_VARIANTS change against the plan)",
     )
     parser.add_argument(
         "--skip", nargs="*", default=[], help="kernel checks to leave out, e.g. input_norm"

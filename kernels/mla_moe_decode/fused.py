@@ -44,7 +44,6 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 
 import torch
-import torch.distributed as dist
 import triton
 
 from harness.evaluation.cases import Case
@@ -59,7 +58,6 @@ from kernels.mla_moe_decode.triton_attention import (
     q_absorb,
     w_uv,
 )
-from kernels.mla_moe_decode.triton_attention_block import BlockOperands, attention_block
 from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe
 from kernels.mla_moe_decode.triton_moe import route as route_experts
@@ -92,9 +90,6 @@ CPU_TEST_CONFIG = MappingProxyType(
 CPU_CONTEXT = (1, 256)
 CP_GPUS = (2, 4, 8)
 CP_DEGREES = (1, 2, 4, 8)
-# Batches whose kernels 3-8 run as one persistent launch (triton_attention_block): where the
-# small kernels' fixed costs decide the floor fraction.
-PERSISTENT_MAX_BATCH = 8
 # Free in the guard: they change values, not shapes or the kernels' control flow.
 _FREE_FIELDS = (
     "routed_scaling_factor",
@@ -222,10 +217,6 @@ class LayerPlan:
     norm_warps: int | None = None  # the post-attention add + RMSNorm; None: add_rmsnorm's rule
     route_warps: int = 4
     route_weights_in_loop: bool = False  # the routing kernel's first build (one sum per slot)
-    # kernels 3-8 as one persistent launch (triton_attention_block): batch <= 8, one GPU
-    persistent_attention: bool = False
-    block_programs_per_sm: int = 1
-    block_one_launch: bool = True  # False: its phases as six launches (a measurement aid)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -246,7 +237,6 @@ def layer_plan(
         router=gemv(c.experts_total, c.hidden),
         attention=_attention_blocks(c, batch, context, on_gpu, sm_count),
         moe=_moe_blocks(batch, on_gpu),
-        persistent_attention=batch <= PERSISTENT_MAX_BATCH,
     )
 
 
@@ -389,18 +379,22 @@ def _attention_and_routing(
     # which a caller may alias with `residual` (vLLM updates the residual in place).
     input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, unused_residual, eps)
     qkv_a = splitk_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a)
-    o = x.new_empty(batch, c.heads * c.v_head_dim)
+    q_c = x.new_empty(batch, c.q_lora_rank)
+    norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
+    latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
+    q = splitk_gemv(q_c, w["q_b_proj"], plan.q_b)
+    q_lat = x.new_empty(batch, c.heads, c.latent_dim)
+    nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
+    q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention)
+    o_lat = x.new_empty(batch, c.heads, c.kv_lora_rank)
     scale = c.qk_head_dim**-0.5  # the stock softmax scale (YaRN's mscale left out, as there)
     group = cp_group()
-    if plan.persistent_attention and group is None:
-        ops = BlockOperands(
-            qkv_a, w["q_a_layernorm"], w["kv_a_layernorm"], w["q_b_proj"], w["kv_b_proj"],
-            positions, turns, cache, out["kv_new"], o,
-        )  # fmt: skip
-        block = (plan.q_b, plan.attention, plan.block_programs_per_sm, plan.block_one_launch)
-        attention_block(ops, c.qk_nope_head_dim, eps, scale, *block)
-    else:
-        _attention_kernels(c, w, inputs, out, plan, qkv_a, o, group)
+    if group is None:
+        mla_attention(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention)
+    else:  # decode CP: `cache` is this rank's slice; the ranks' partials merge exactly
+        mla_attention_cp(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, group)
+    o = x.new_empty(batch, c.heads * v_dim)
+    w_uv(o_lat, w["kv_b_proj"], o, nope, plan.attention)
     attn = splitk_gemv(o, w["o_proj"], plan.o_proj)
     moe_in = torch.empty_like(x)
     residuals = (x, inputs["residual"])
@@ -413,36 +407,6 @@ def _attention_and_routing(
         plan.route_warps, plan.route_weights_in_loop,
     )  # fmt: skip
     return moe_in, ids, routing
-
-
-def _attention_kernels(
-    c: LayerConfig,
-    w: Tensors,
-    inputs: Tensors,
-    out: Tensors,
-    plan: LayerPlan,
-    qkv_a: torch.Tensor,
-    o: torch.Tensor,
-    group: dist.ProcessGroup | None,
-) -> None:
-    """Kernels 3-8 as six launches: qkv_a's partial sums -> out["kv_new"] and o."""
-    x, positions, cache = inputs["x"], inputs["positions"], inputs["kv_cache"]
-    batch, eps = x.shape[0], c.rms_norm_eps
-    turns = rope_turns(x.device, c.qk_rope_head_dim, c.rope_theta)
-    q_c = x.new_empty(batch, c.q_lora_rank)
-    norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
-    latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
-    q = splitk_gemv(q_c, w["q_b_proj"], plan.q_b)
-    q_lat = x.new_empty(batch, c.heads, c.latent_dim)
-    nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
-    q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention)
-    o_lat = x.new_empty(batch, c.heads, c.kv_lora_rank)
-    scale = c.qk_head_dim**-0.5
-    if group is None:
-        mla_attention(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention)
-    else:  # decode CP: `cache` is this rank's slice; the ranks' partials merge exactly
-        mla_attention_cp(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, group)
-    w_uv(o_lat, w["kv_b_proj"], o, nope, plan.attention)
 
 
 def input_add_rmsnorm(

@@ -93,37 +93,7 @@ def _latent_prep_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    latent_prep_rows(
-        part_ptr, q_norm_ptr, kv_norm_ptr, positions_ptr, turns_ptr, q_c_ptr, kv_new_ptr,
-        N_SPLITS, split_stride, B, Q, L, R, eps, tl.program_id(0),
-        ROWS, BLOCK_Q, BLOCK_L, BLOCK_HALF_R,
-    )  # fmt: skip
-
-
-@triton.jit
-def latent_prep_rows(
-    part_ptr,
-    q_norm_ptr,
-    kv_norm_ptr,
-    positions_ptr,
-    turns_ptr,
-    q_c_ptr,
-    kv_new_ptr,
-    N_SPLITS: tl.constexpr,
-    split_stride,
-    B,
-    Q,
-    L,
-    R,
-    eps,
-    row_block,
-    ROWS: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_HALF_R: tl.constexpr,
-):
-    """One program's work: ROWS tokens from `row_block * ROWS` (also a persistent phase)."""
-    rows = row_block * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = (rows < B)[:, None]  # (ROWS, 1)
     base = rows[:, None] * (Q + L + R)  # (ROWS, 1)
     qs = tl.arange(0, BLOCK_Q)
@@ -224,40 +194,9 @@ def _q_absorb_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    q_absorb_tile(
-        part_ptr, kv_b_ptr, positions_ptr, turns_ptr, q_lat_ptr, N_SPLITS, split_stride,
-        B, H, NOPE, R, V, L, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        BLOCK_M, BLOCK_NOPE, BLOCK_L, BLOCK_HALF_R, DOT_F32,
-    )  # fmt: skip
-
-
-@triton.jit
-def q_absorb_tile(
-    part_ptr,
-    kv_b_ptr,
-    positions_ptr,
-    turns_ptr,
-    q_lat_ptr,
-    N_SPLITS: tl.constexpr,
-    split_stride,
-    B,
-    H,
-    NOPE,
-    R,
-    V,
-    L,
-    head,
-    col_block,
-    row_block,
-    BLOCK_M: tl.constexpr,
-    BLOCK_NOPE: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_HALF_R: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """One program's work: `head`'s latent columns `col_block` for BLOCK_M tokens from
-    `row_block * BLOCK_M` (also a persistent phase)."""
-    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(0)
+    col_block = tl.program_id(1)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < B
     q_row = rows[:, None] * (H * (NOPE + R)) + head * (NOPE + R)  # (BLOCK_M, 1)
     ns = tl.arange(0, BLOCK_NOPE)
@@ -352,37 +291,9 @@ def _mla_split_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    mla_split_tile(
-        q_lat_ptr, cache_ptr, max_ptr, sum_ptr, acc_ptr, T, H, L, R, tokens_per_split,
-        scale_log2, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
-        BLOCK_H, BLOCK_T, BLOCK_L, BLOCK_R, DOT_F32,
-    )  # fmt: skip
-
-
-@triton.jit
-def mla_split_tile(
-    q_lat_ptr,
-    cache_ptr,
-    max_ptr,
-    sum_ptr,
-    acc_ptr,
-    T,
-    H,
-    L,
-    R,
-    tokens_per_split,
-    scale_log2,
-    row,
-    split,
-    n_splits,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """One program's work: token `row`'s context split `split` of `n_splits` (also a
-    persistent phase)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
     width = L + R
     heads = tl.arange(0, BLOCK_H)
     head_mask = heads < H
@@ -454,43 +365,10 @@ def _mla_combine_kernel(
     decode-CP rank's splits merged into a single split (max, sum, fp32 sum of the rescaled
     partials), without the new token: the ranks' merged splits are then combined with FINAL."""
     wait_for_previous_kernel(PDL)
-    mla_combine_tile(
-        max_ptr, sum_ptr, acc_ptr, q_lat_ptr, kv_new_ptr, o_ptr, merged_max_ptr,
-        merged_sum_ptr, n_splits, H, L, R, scale_log2,
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        HEADS, BLOCK_S, BLOCK_SC, BLOCK_LC, BLOCK_D, FINAL,
-    )  # fmt: skip
-
-
-@triton.jit
-def mla_combine_tile(
-    max_ptr,
-    sum_ptr,
-    acc_ptr,
-    q_lat_ptr,
-    kv_new_ptr,
-    o_ptr,
-    merged_max_ptr,
-    merged_sum_ptr,
-    n_splits,
-    H,
-    L,
-    R,
-    scale_log2,
-    row,
-    head_block,
-    col_block,
-    HEADS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_SC: tl.constexpr,
-    BLOCK_LC: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    FINAL: tl.constexpr,
-):
-    """One program's work: token `row`, heads `head_block`, latent columns `col_block` (also a
-    persistent phase, FINAL)."""
-    heads = head_block * HEADS + tl.arange(0, HEADS)  # (HEADS,)
+    row = tl.program_id(0)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # (HEADS,)
     head_mask = heads < H
+    col_block = tl.program_id(2)
     width = L + R
     ds = tl.arange(0, BLOCK_D)
     d_mask = ds < width
@@ -713,31 +591,8 @@ def _w_uv_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    w_uv_tile(
-        o_lat_ptr, kv_b_ptr, o_ptr, B, H, NOPE, V, L, tl.program_id(0), tl.program_id(1),
-        BLOCK_M, BLOCK_V, BLOCK_K, DOT_F32,
-    )  # fmt: skip
-
-
-@triton.jit
-def w_uv_tile(
-    o_lat_ptr,
-    kv_b_ptr,
-    o_ptr,
-    B,
-    H,
-    NOPE,
-    V,
-    L,
-    head,
-    col_block,
-    BLOCK_M: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """One program's work: `head`'s V columns `col_block` for all tokens (also a persistent
-    phase)."""
+    head = tl.program_id(0)
+    col_block = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
     vs = col_block * BLOCK_V + tl.arange(0, BLOCK_V)

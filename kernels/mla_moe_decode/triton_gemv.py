@@ -98,53 +98,17 @@ def _splitk_gemv_kernel(
 ):
     column_block = tl.program_id(0)
     split = tl.program_id(1)
-    if PREFETCH:
-        prefetch_gemv_tile(w_ptr, N, K, k_per_split, column_block, split, BLOCK_N, BLOCK_K)
-    wait_for_previous_kernel(PDL)
-    gemv_tile(
-        x_ptr, w_ptr, part_ptr, M, N, K, stride_xm, k_per_split, column_block, split,
-        BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32,
-    )  # fmt: skip
-
-
-@triton.jit
-def prefetch_gemv_tile(
-    w_ptr, N, K, k_per_split, column_block, split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """Ask L2 for the weight slice of one tile: one pointer per 128-byte line (64 bf16)."""
-    cols = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * K  # (BLOCK_N, 1)
-    k_start = split * k_per_split
-    for k_offset in range(0, k_per_split, BLOCK_K):
-        line_ks = k_start + k_offset + tl.arange(0, BLOCK_K // 64) * 64
-        prefetch_l2(w_rows + tl.minimum(line_ks, K - 1)[None, :])
-
-
-@triton.jit
-def gemv_tile(
-    x_ptr,
-    w_ptr,
-    part_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    k_per_split,
-    column_block,
-    split,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """One program's work: the (BLOCK_M, BLOCK_N) tile `column_block` over K split `split`
-    (the kernel above; also a phase of triton_attention_block's persistent kernel)."""
     rows = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     cols = column_block * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_mask = rows < M
     col_mask = cols < N
     k_start = split * k_per_split
     w_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * K  # (BLOCK_N, 1)
+    if PREFETCH:  # one pointer per 128-byte line (64 bf16) of this program's weight slice
+        for k_offset in range(0, k_per_split, BLOCK_K):
+            line_ks = k_start + k_offset + tl.arange(0, BLOCK_K // 64) * 64
+            prefetch_l2(w_rows + tl.minimum(line_ks, K - 1)[None, :])
+    wait_for_previous_kernel(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_offset in range(0, k_per_split, BLOCK_K):
         ks = k_start + k_offset + tl.arange(0, BLOCK_K)  # (BLOCK_K,)

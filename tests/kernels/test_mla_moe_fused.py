@@ -235,37 +235,6 @@ def test_two_runs_are_bitwise_equal_and_leave_inputs_untouched() -> None:
     assert all(torch.equal(before[k], v) for k, v in (*weights.items(), *inputs.items()))
 
 
-def _without_persistent_block(monkeypatch) -> None:
-    planned = fused.layer_plan
-
-    def six_kernels(*key: object) -> fused.LayerPlan:
-        return dataclasses.replace(planned(*key), persistent_attention=False)
-
-    monkeypatch.setattr(fused, "layer_plan", six_kernels)
-
-
-@pytest.mark.parametrize(("batch", "context"), [(1, 70), (8, 33)])
-def test_the_persistent_block_gives_the_six_kernels_bits(batch: int, context: int, monkeypatch):
-    """Kernels 3-8 as the persistent kernel's phases (here one launch per phase: the
-    interpreter cannot run a grid barrier) compute what the six kernels compute, bit for bit:
-    the same tile functions over the same items."""
-    weights, inputs = _setup(batch, context, seed=40 + batch)
-    case_plan = fused.layer_plan(LayerConfig.from_model_config(CONFIG), batch, context, False, 0)
-    assert case_plan.persistent_attention
-    block = _outputs(fused.forward, weights, inputs)
-    _without_persistent_block(monkeypatch)
-    kernels = _outputs(fused.forward, weights, inputs)
-    assert all(torch.equal(block[k], kernels[k]) for k in OUTPUTS)
-
-
-def test_batches_above_8_run_the_six_kernels() -> None:
-    config = LayerConfig.from_model_config(CONFIG)
-    assert not fused.layer_plan(
-        config, fused.PERSISTENT_MAX_BATCH + 1, 64, False, 0
-    ).persistent_attention
-    assert not fused.layer_plan(LayerConfig(), 64, 4096, True, 132).persistent_attention
-
-
 def test_dependent_launch_is_off_on_the_cpu_and_rejects_an_unknown_mode(monkeypatch) -> None:
     """The CPU (interpreter) never gets the PDL launch attribute or constexpr, whatever the
     mode; a mistyped mode is an error, not a silent "off"."""
@@ -768,45 +737,6 @@ def test_each_dependent_launch_mode_gives_the_same_bits_on_the_gpu(mode: str, mo
         torch.cuda.synchronize()
         results[name] = out
     assert all(torch.equal(results[mode][k], results["off"][k]) for k in OUTPUTS)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("batch", "context", "per_sm"), [(1, 32768, 1), (8, 5000, 1), (5, 1024, 2)]
-)
-def test_the_persistent_block_replays_with_the_six_kernels_bits_on_the_gpu(
-    batch: int, context: int, per_sm: int, monkeypatch
-) -> None:
-    """Kernels 3-8 as one launch with grid barriers, replayed twice from a CUDA graph (the
-    barrier's counter must reset itself), give the six kernels' bits, and no barrier wait gave
-    up. A barrier that let a phase start early would read another phase's stale buffers."""
-    from kernels.mla_moe_decode.triton_attention_block import barrier_timeouts
-
-    cuda = torch.device("cuda")
-    problem, case = Problem({}), _case(batch, context, gpu=fused.GPU_KIND, config={})
-    weights, inputs = problem.make_weights(case, 1, cuda), problem.make_inputs(case, 2, cuda)
-    planned = fused.layer_plan
-    results = {}
-    for persistent in (True, False):
-
-        def plan(*key: object, persistent: bool = persistent) -> fused.LayerPlan:
-            change = {"persistent_attention": persistent, "block_programs_per_sm": per_sm}
-            return dataclasses.replace(planned(*key), **change)
-
-        monkeypatch.setattr(fused, "layer_plan", plan)
-        out = problem.make_outputs(case, cuda)
-        fused.forward(weights, inputs, out)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fused.forward(weights, inputs, out)
-        for _ in range(2):
-            for tensor in out.values():
-                tensor.zero_()
-            graph.replay()
-        torch.cuda.synchronize()
-        results[persistent] = out
-    assert all(torch.equal(results[True][k], results[False][k]) for k in OUTPUTS)
-    assert barrier_timeouts(cuda) == 0
 
 
 def _real_shard_moe(batch: int) -> tuple[LayerConfig, torch.Generator, torch.Tensor, Tensors, list]:

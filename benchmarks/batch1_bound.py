@@ -19,15 +19,19 @@ and prints, per batch-1 case, the bound for its own draw next to what the fused 
 then, from the routing draw (8 of the experts_total ids per token, `experts` of them local:
 hypergeometric), the probability that a perfect K-kernel layer meets the target at each context
 and at all of them in one validate; last, per batch, the fused path's µs above the floor and the
-floor a case needs to meet the target with that much. Nothing here runs on a GPU: every number
-comes from the two measured files, the problem's byte counts (Problem.layer_bytes) and any cost
-per step given with --step-us (say, what the cheapest real kernel of the layer costs in its
-chain, from a profile).
+floor a case needs to meet the target with that much; and, at the batches of --chance (8 and 64
+unless told), the fused path's own chance to meet its target at every context of a fresh
+validate, from its measured µs above the floor and the routing draws of the evidence files
+given (--evidence and --draws), with the cut in µs above the floor that a higher chance needs.
+Nothing here runs on a GPU: every number comes from the measured files, the problem's byte
+counts (Problem.layer_bytes) and any cost per step given with --step-us (say, what the cheapest
+real kernel of the layer costs in its chain, from a profile).
 
     python3 benchmarks/batch1_bound.py \\
         --launch-floor docs/runs/2026-12-03-launch-floor/launch_floor.json \\
         --evidence docs/runs/2026-12-04-kimi-k2-h200-full-12/evidence.json.gz \\
         [--kernels 14 15 8] [--target 0.7] [--step-us 2.9]
+        [--chance 8:0.70 64:0.85] [--draws docs/runs/*-kimi-k2-h200-full-*/evidence.json*]
         [--out pathgate-out/benchmarks/batch1_bound.json]
 """
 
@@ -223,8 +227,112 @@ def time_above_floor(evidence: dict[str, Any], target: float) -> list[dict[str, 
     return rows
 
 
-def _case(context: int) -> Case:
-    return Case(1, context, 1, 1, "bfloat16", "H200", config={})
+def _case(context: int, batch: int = 1) -> Case:
+    return Case(batch, context, 1, 1, "bfloat16", "H200", config={})
+
+
+# Above batch 1 the routing draw is not modelled but taken from the validates' own draws: the
+# synthetic router puts a large batch's tokens on fewer distinct experts than independent
+# uniform tokens would (at batch 64, 30-33 local experts per layer in runs 2-16 against 35.5),
+# so a uniform model would overstate the floors there.
+CHANCE_LEVELS = (0.5, 0.9, 0.99)
+
+
+def drawn_local_experts(evidences: list[dict[str, Any]], batch: int) -> list[float]:
+    """The local experts per layer (each case's mean over its layers) of every single-GPU case
+    at `batch` in these evidences: the routing draws validates have made at that batch."""
+    draws = []
+    for evidence in evidences:
+        problem = Problem(evidence["manifest"]["model"]["config"])
+        for case, perf in _single_gpu_cases(evidence, batch, timed_only=True):
+            draws.append(_local_experts(problem, case, perf["bytes_moved"]))
+    return draws
+
+
+def fused_chance(
+    evidence: dict[str, Any], draws: list[float], batch: int, target: float
+) -> dict[str, Any]:
+    """The chance that the fused path meets `target` of the floor at every context of `batch`
+    in a validate with fresh routing draws (each as likely as one of `draws`), taking each
+    context's µs above the floor as this evidence measured it (the fused layer's time above its
+    floor moves little with the draw: "Time above the floor" in docs/benchmarks.md); and the
+    cut in µs above the floor, the same at every context, that would raise that chance to each
+    of CHANCE_LEVELS."""
+    if not draws:
+        raise ValueError(f"no routing draws at batch {batch}")
+    problem = Problem(evidence["manifest"]["model"]["config"])
+    rows = []
+    for case, perf in _single_gpu_cases(evidence, batch):
+        bytes_per_s = perf["hbm_bytes_per_s"]
+        floor_us = 1e6 * perf["bytes_moved"] / bytes_per_s
+        context_case = _case(case["context"], batch)
+        rows.append(
+            {
+                "context": case["context"],
+                "local_experts_per_layer": _local_experts(problem, case, perf["bytes_moved"]),
+                "floor_us": floor_us,
+                "fused_fraction": perf["candidate_hbm_fraction"],
+                "above_us": perf["candidate_us_median"] - floor_us,
+                "draw_floors_us": [
+                    1e6 * problem.layer_bytes(context_case, n) / bytes_per_s for n in draws
+                ],
+            }
+        )
+    if not rows:
+        raise ValueError(f"the evidence has no single-GPU batch-{batch} case")
+    for row in rows:
+        row["chance"] = _chance_at(row, 0.0, target)
+    return {
+        "batch": batch,
+        "target": target,
+        "draws": len(draws),
+        "draws_local_experts_per_layer": [min(draws), statistics.median(draws), max(draws)],
+        "chance_all_contexts": math.prod(row["chance"] for row in rows),
+        "cut_needed_us": {str(level): _cut_for(rows, level, target) for level in CHANCE_LEVELS},
+        "cases": [{k: v for k, v in row.items() if k != "draw_floors_us"} for row in rows],
+    }
+
+
+def _single_gpu_cases(
+    evidence: dict[str, Any], batch: int, timed_only: bool = False
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The single-GPU cases at `batch` with their performance records. Each must carry its
+    floor's bytes and bandwidth (or a chance over all contexts would silently be a product over
+    fewer of them), unless `timed_only`: then the others are left out."""
+    pairs = []
+    for case in evidence["cases"]:
+        if case["batch"] != batch or case.get("cp", 1) != 1 or case.get("gpus", 1) != 1:
+            continue
+        perf = case.get("performance") or {}
+        if not perf.get("hbm_bytes_per_s") or not perf.get("bytes_moved"):
+            if timed_only:
+                continue
+            raise ValueError(f"{case['id']}: no floor bytes or bandwidth in the evidence")
+        pairs.append((case, perf))
+    return pairs
+
+
+def _local_experts(problem: Problem, case: dict[str, Any], bytes_per_layer: float) -> float:
+    context_case = _case(case["context"], case["batch"])
+    none = problem.layer_bytes(context_case, 0)
+    return (bytes_per_layer - none) / (problem.layer_bytes(context_case, 1) - none)
+
+
+def _chance_at(row: dict[str, Any], cut_us: float, target: float) -> float:
+    """The share of the draws whose floor is large enough for `target` with `cut_us` less
+    above it: floor >= above x target / (1 - target)."""
+    needed = max(0.0, row["above_us"] - cut_us) * target / (1 - target)
+    floors = row["draw_floors_us"]
+    return sum(floor >= needed for floor in floors) / len(floors)
+
+
+def _cut_for(rows: list[dict[str, Any]], level: float, target: float) -> float:
+    """The least cut, in steps of 0.25 µs, at which all contexts together reach `level` (at
+    the latest when nothing is left above any floor)."""
+    step = 0
+    while math.prod(_chance_at(row, step / 4, target) for row in rows) < level:
+        step += 1
+    return step / 4
 
 
 def print_tables(result: dict[str, Any]) -> None:
@@ -262,6 +370,27 @@ def print_tables(result: dict[str, Any]) -> None:
         )
 
 
+def print_fused_chance(chance: dict[str, Any]) -> None:
+    low, middle, high = chance["draws_local_experts_per_layer"]
+    print(
+        f"\nBatch {chance['batch']}: the fused path's chance to reach {chance['target']:.2f} of "
+        f"the floor on a fresh draw, at this run's µs above the floor ({chance['draws']} "
+        f"draws, local experts per layer {low:.1f} / {middle:.1f} / {high:.1f}):"
+    )
+    print("| context | local experts / layer | floor µs | fused | above the floor µs | chance |")
+    print("|---|---|---|---|---|---|")
+    for row in chance["cases"]:
+        print(
+            f"| {row['context']} | {row['local_experts_per_layer']:.1f} | {row['floor_us']:.1f} "
+            f"| {row['fused_fraction']:.3f} | {row['above_us']:.1f} | {row['chance']:.2f} |"
+        )
+    print(f"| all | | | | | {chance['chance_all_contexts']:.2f} |")
+    cuts = ", ".join(
+        f"{float(level):.2f}: {cut:.2f} µs" for level, cut in chance["cut_needed_us"].items()
+    )
+    print(f"µs less above the floor at every context for a chance of {cuts}")
+
+
 def _load(path: Path) -> dict[str, Any]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -282,14 +411,36 @@ def main() -> None:
         help="more costs per dependent step to bound with, in µs (beside the launch floor's)",
     )
     parser.add_argument(
+        "--chance",
+        nargs="*",
+        default=["8:0.70", "64:0.85"],
+        help="BATCH:TARGET pairs: the fused path's own chance to meet TARGET at every context "
+        "of BATCH in a fresh validate (fused_chance)",
+    )
+    parser.add_argument(
+        "--draws",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="more evidence files whose cases' routing draws the chance uses (besides --evidence)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/batch1_bound.json")
     )
     args = parser.parse_args()
     launch_floor, evidence = _load(args.launch_floor), _load(args.evidence)
     result = bounds(launch_floor, evidence, args.kernels, args.target, tuple(args.step_us))
+    evidences = [evidence, *(_load(path) for path in args.draws if path != args.evidence)]
+    result["fused_chance"] = []
+    for pair in args.chance:
+        batch, target = int(pair.split(":")[0]), float(pair.split(":")[1])
+        draws = drawn_local_experts(evidences, batch)
+        result["fused_chance"].append(fused_chance(evidence, draws, batch, target))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_tables(result)
+    for chance in result["fused_chance"]:
+        print_fused_chance(chance)
     print(f"\nwrote {args.out}")
 
 

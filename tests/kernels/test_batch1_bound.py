@@ -24,7 +24,7 @@ def _evidence(cases: list[tuple[int, int, float]]) -> dict[str, object]:
     problem = batch1_bound.Problem({})
     rows = []
     for batch, context, experts in cases:
-        layer = problem.layer_bytes(batch1_bound._case(context), experts)
+        layer = problem.layer_bytes(batch1_bound._case(context, batch), experts)
         rows.append(
             {
                 "id": f"batch={batch} context={context}",
@@ -160,3 +160,54 @@ def test_a_given_cost_per_step_is_bounded_beside_the_launch_floors() -> None:
     floor = row["floor_us"]
     assert row["best"]["10 2.9 us"] == pytest.approx(floor / (floor + 9 * 2.9))
     assert row["chance"]["10 2.9 us"] <= row["chance"]["10 off"]  # dearer steps: no better
+
+
+def test_the_draws_are_each_timed_cases_local_experts_at_that_batch() -> None:
+    evidence = _evidence([(8, 1024, 4.0), (8, 8192, 7.0), (1, 1024, 1.0), (8, 2048, 5.0)])
+    evidence["cases"][3]["performance"] = None  # type: ignore[index]  # a case that did not run
+    draws = batch1_bound.drawn_local_experts([evidence, _evidence([(8, 4096, 9.5)])], 8)
+    assert draws == pytest.approx([4.0, 7.0, 9.5])
+
+
+def test_the_fused_chance_is_the_share_of_draws_whose_floor_leaves_room_for_the_target() -> None:
+    """A case that ran F µs over its floor meets 0.70 on a draw whose floor is at least
+    F x 0.7 / 0.3; over several contexts the chances multiply, and cutting the time above the
+    floor everywhere by the reported amount reaches the asked chance."""
+    evidence = _evidence([(8, 1024, 7.0), (8, 8192, 7.0)])
+    problem, draws = batch1_bound.Problem({}), [2.0, 4.0, 6.0, 8.0]
+    for case, above in zip(evidence["cases"], (60.0, 40.0), strict=True):
+        perf = case["performance"]
+        perf["candidate_us_median"] = 1e6 * perf["bytes_moved"] / 4e12 + above
+    result = batch1_bound.fused_chance(evidence, draws, 8, 0.7)
+    chances = []
+    for context, above in ((1024, 60.0), (8192, 40.0)):
+        case = batch1_bound._case(context, 8)
+        floors = [1e6 * problem.layer_bytes(case, n) / 4e12 for n in draws]
+        chances.append(sum(f >= above * 0.7 / 0.3 for f in floors) / len(draws))
+    assert [row["chance"] for row in result["cases"]] == chances
+    assert [row["above_us"] for row in result["cases"]] == pytest.approx([60.0, 40.0])
+    assert result["chance_all_contexts"] == pytest.approx(chances[0] * chances[1])
+    assert 0.0 < result["chance_all_contexts"] < 1.0  # the draws straddle the bar here
+    cut = result["cut_needed_us"]["0.99"]
+    assert 0.0 < cut <= 60.0
+    assert result["cut_needed_us"]["0.5"] <= result["cut_needed_us"]["0.9"] <= cut
+
+
+def test_the_cut_is_the_least_quarter_microsecond_that_reaches_the_chance() -> None:
+    """Two contexts, each 30 µs over its floor, each with draws of floors 50, 60, 70 and 80 µs:
+    0.70 needs floor >= (30 - cut) x 7/3, so all four draws pass once 30 - cut <= 150/7."""
+    rows = [{"above_us": 30.0, "draw_floors_us": [50.0, 60.0, 70.0, 80.0]} for _ in range(2)]
+    cut = batch1_bound._cut_for(rows, 0.99, 0.7)
+    assert cut == pytest.approx(math.ceil(4 * (30 - 50 * 0.3 / 0.7)) / 4)  # 8.75
+    assert batch1_bound._chance_at(rows[0], cut, 0.7) == 1.0
+    assert batch1_bound._chance_at(rows[0], cut - 0.25, 0.7) == 0.75
+    no_floor = [{"above_us": 30.0, "draw_floors_us": [0.0]}]
+    assert batch1_bound._cut_for(no_floor, 0.99, 0.7) == 30.0  # only nothing above the floor
+
+
+def test_the_fused_chance_refuses_a_batch_it_has_no_draws_or_cases_for() -> None:
+    evidence = _evidence([(8, 1024, 7.0)])
+    with pytest.raises(ValueError, match="no routing draws"):
+        batch1_bound.fused_chance(evidence, [], 8, 0.7)
+    with pytest.raises(ValueError, match="no single-GPU batch-64"):
+        batch1_bound.fused_chance(evidence, [7.0], 64, 0.85)

@@ -227,8 +227,8 @@ def time_above_floor(evidence: dict[str, Any], target: float) -> list[dict[str, 
     return rows
 
 
-def _case(context: int, batch: int = 1) -> Case:
-    return Case(batch, context, 1, 1, "bfloat16", "H200", config={})
+def _case(context: int, batch: int = 1, dtype: str = "bfloat16") -> Case:
+    return Case(batch, context, 1, 1, dtype, "H200", config={})
 
 
 # Above batch 1 the routing draw is not modelled but taken from the validates' own draws: the
@@ -240,12 +240,16 @@ CHANCE_LEVELS = (0.5, 0.9, 0.99)
 
 def drawn_local_experts(evidences: list[dict[str, Any]], batch: int) -> list[float]:
     """The local experts per layer (each case's mean over its layers) of every single-GPU case
-    at `batch` in these evidences: the routing draws validates have made at that batch."""
-    draws = []
+    at `batch` in these evidences: the routing draws validates have made at that batch. A mean
+    over 2 layers spreads less than one over 1, so every case must have timed as many."""
+    draws, layer_counts = [], set()
     for evidence in evidences:
         problem = Problem(evidence["manifest"]["model"]["config"])
         for case, perf in _single_gpu_cases(evidence, batch, timed_only=True):
             draws.append(_local_experts(problem, case, perf["bytes_moved"]))
+            layer_counts.add(perf["layers"])
+    if len(layer_counts) > 1:
+        raise ValueError(f"batch-{batch} draws over different layer counts: {layer_counts}")
     return draws
 
 
@@ -257,7 +261,8 @@ def fused_chance(
     context's µs above the floor as this evidence measured it (the fused layer's time above its
     floor moves little with the draw: "Time above the floor" in docs/benchmarks.md); and the
     cut in µs above the floor, the same at every context, that would raise that chance to each
-    of CHANCE_LEVELS."""
+    of CHANCE_LEVELS. Conditional on this evidence's machine and bandwidth reading (the floors'
+    divisor), which are not drawn: a validate on another day reads another bandwidth."""
     if not draws:
         raise ValueError(f"no routing draws at batch {batch}")
     problem = Problem(evidence["manifest"]["model"]["config"])
@@ -265,7 +270,7 @@ def fused_chance(
     for case, perf in _single_gpu_cases(evidence, batch):
         bytes_per_s = perf["hbm_bytes_per_s"]
         floor_us = 1e6 * perf["bytes_moved"] / bytes_per_s
-        context_case = _case(case["context"], batch)
+        context_case = _case(case["context"], batch, case["dtype"])
         rows.append(
             {
                 "context": case["context"],
@@ -280,6 +285,7 @@ def fused_chance(
         )
     if not rows:
         raise ValueError(f"the evidence has no single-GPU batch-{batch} case")
+    rows.sort(key=lambda row: row["context"])
     for row in rows:
         row["chance"] = _chance_at(row, 0.0, target)
     return {
@@ -313,7 +319,7 @@ def _single_gpu_cases(
 
 
 def _local_experts(problem: Problem, case: dict[str, Any], bytes_per_layer: float) -> float:
-    context_case = _case(case["context"], case["batch"])
+    context_case = _case(case["context"], case["batch"], case["dtype"])
     none = problem.layer_bytes(context_case, 0)
     return (bytes_per_layer - none) / (problem.layer_bytes(context_case, 1) - none)
 
@@ -328,11 +334,11 @@ def _chance_at(row: dict[str, Any], cut_us: float, target: float) -> float:
 
 def _cut_for(rows: list[dict[str, Any]], level: float, target: float) -> float:
     """The least cut, in steps of 0.25 µs, at which all contexts together reach `level` (at
-    the latest when nothing is left above any floor)."""
-    step = 0
-    while math.prod(_chance_at(row, step / 4, target) for row in rows) < level:
-        step += 1
-    return step / 4
+    the latest when nothing is left above any floor, where every draw passes)."""
+    for step in range(max(0, math.ceil(4 * max(row["above_us"] for row in rows))) + 1):
+        if math.prod(_chance_at(row, step / 4, target) for row in rows) >= level:
+            return step / 4
+    raise ValueError(f"chance {level} not reached even with nothing above the floor")
 
 
 def print_tables(result: dict[str, Any]) -> None:
@@ -391,6 +397,14 @@ def print_fused_chance(chance: dict[str, Any]) -> None:
     print(f"µs less above the floor at every context for a chance of {cuts}")
 
 
+def _batch_and_target(pair: str) -> tuple[int, float]:
+    """ "8:0.70" -> (8, 0.7); a target must lie strictly between 0 and 1."""
+    batch, target = pair.split(":")
+    if not 0.0 < float(target) < 1.0:
+        raise argparse.ArgumentTypeError(f"{pair}: the target must lie strictly between 0 and 1")
+    return int(batch), float(target)
+
+
 def _load(path: Path) -> dict[str, Any]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -413,7 +427,8 @@ def main() -> None:
     parser.add_argument(
         "--chance",
         nargs="*",
-        default=["8:0.70", "64:0.85"],
+        type=_batch_and_target,
+        default=[(8, 0.7), (64, 0.85)],
         help="BATCH:TARGET pairs: the fused path's own chance to meet TARGET at every context "
         "of BATCH in a fresh validate (fused_chance)",
     )
@@ -430,10 +445,18 @@ def main() -> None:
     args = parser.parse_args()
     launch_floor, evidence = _load(args.launch_floor), _load(args.evidence)
     result = bounds(launch_floor, evidence, args.kernels, args.target, tuple(args.step_us))
-    evidences = [evidence, *(_load(path) for path in args.draws if path != args.evidence)]
+    draw_files, seen = [], set()  # each file once, however spelled; the evidence first
+    for path in [args.evidence, *args.draws]:
+        if path.resolve() not in seen:
+            seen.add(path.resolve())
+            draw_files.append(path)
+    evidences = [evidence, *(_load(path) for path in draw_files[1:])]
+    result["draw_files"] = [str(path) for path in draw_files]
     result["fused_chance"] = []
-    for pair in args.chance:
-        batch, target = int(pair.split(":")[0]), float(pair.split(":")[1])
+    for batch, target in args.chance:
+        if not _single_gpu_cases(evidence, batch, timed_only=True):
+            print(f"(no batch-{batch} case in the evidence: no chance computed for it)")
+            continue
         draws = drawn_local_experts(evidences, batch)
         result["fused_chance"].append(fused_chance(evidence, draws, batch, target))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -32,6 +33,7 @@ def _evidence(cases: list[tuple[int, int, float]]) -> dict[str, object]:
                 "context": context,
                 "cp": 1,
                 "gpus": 1,
+                "dtype": "bfloat16",
                 "origin": "grid",
                 "performance": {
                     "layers": 2,
@@ -169,38 +171,48 @@ def test_the_draws_are_each_timed_cases_local_experts_at_that_batch() -> None:
     assert draws == pytest.approx([4.0, 7.0, 9.5])
 
 
+def _floor_us(context: int, experts: float, bytes_per_s: float, batch: int = 8) -> float:
+    problem = batch1_bound.Problem({})
+    return 1e6 * problem.layer_bytes(batch1_bound._case(context, batch), experts) / bytes_per_s
+
+
 def test_the_fused_chance_is_the_share_of_draws_whose_floor_leaves_room_for_the_target() -> None:
     """A case that ran F µs over its floor meets 0.70 on a draw whose floor is at least
-    F x 0.7 / 0.3; over several contexts the chances multiply, and cutting the time above the
-    floor everywhere by the reported amount reaches the asked chance."""
-    evidence = _evidence([(8, 1024, 7.0), (8, 8192, 7.0)])
-    problem, draws = batch1_bound.Problem({}), [2.0, 4.0, 6.0, 8.0]
-    for case, above in zip(evidence["cases"], (60.0, 40.0), strict=True):
-        perf = case["performance"]
-        perf["candidate_us_median"] = 1e6 * perf["bytes_moved"] / 4e12 + above
+    F x 0.7 / 0.3. Here each context's F puts that bar at the floor of 6.25 local experts
+    (8192) or 5.25 (1024), between draws half an expert apart, at the case's own bandwidth."""
+    bandwidth, draws = 3.0e12, [5.0, 5.5, 6.0, 6.5, 7.0, 7.5]
+    evidence = _evidence([(8, 8192, 7.0), (8, 1024, 7.0), (8, 2048, 9.0)])
+    evidence["cases"][2]["cp"] = evidence["cases"][2]["gpus"] = 2  # not a single-GPU case
+    bars = {8192: 6.25, 1024: 5.25}
+    for case in evidence["cases"][:2]:
+        perf, context = case["performance"], case["context"]
+        perf["hbm_bytes_per_s"] = bandwidth
+        above = _floor_us(context, bars[context], bandwidth) * 0.3 / 0.7
+        perf["candidate_us_median"] = 1e6 * perf["bytes_moved"] / bandwidth + above
     result = batch1_bound.fused_chance(evidence, draws, 8, 0.7)
-    chances = []
-    for context, above in ((1024, 60.0), (8192, 40.0)):
-        case = batch1_bound._case(context, 8)
-        floors = [1e6 * problem.layer_bytes(case, n) / 4e12 for n in draws]
-        chances.append(sum(f >= above * 0.7 / 0.3 for f in floors) / len(draws))
-    assert [row["chance"] for row in result["cases"]] == chances
-    assert [row["above_us"] for row in result["cases"]] == pytest.approx([60.0, 40.0])
-    assert result["chance_all_contexts"] == pytest.approx(chances[0] * chances[1])
-    assert 0.0 < result["chance_all_contexts"] < 1.0  # the draws straddle the bar here
-    cut = result["cut_needed_us"]["0.99"]
-    assert 0.0 < cut <= 60.0
-    assert result["cut_needed_us"]["0.5"] <= result["cut_needed_us"]["0.9"] <= cut
+    rows = result["cases"]
+    assert [row["context"] for row in rows] == [1024, 8192]  # by context, single-GPU only
+    assert [row["chance"] for row in rows] == [5 / 6, 3 / 6]
+    assert [row["local_experts_per_layer"] for row in rows] == pytest.approx([7.0, 7.0])
+    assert result["chance_all_contexts"] == pytest.approx(5 / 6 * 3 / 6)
+    # every draw passes once both bars are down at the floor of 5 experts
+    needed = max(
+        row["above_us"] - _floor_us(row["context"], 5.0, bandwidth) * 0.3 / 0.7 for row in rows
+    )
+    assert result["cut_needed_us"]["0.99"] == math.ceil(4 * needed) / 4
+    assert result["cut_needed_us"]["0.5"] <= result["cut_needed_us"]["0.9"]
 
 
 def test_the_cut_is_the_least_quarter_microsecond_that_reaches_the_chance() -> None:
     """Two contexts, each 30 µs over its floor, each with draws of floors 50, 60, 70 and 80 µs:
-    0.70 needs floor >= (30 - cut) x 7/3, so all four draws pass once 30 - cut <= 150/7."""
+    0.70 needs floor >= (30 - cut) x 7/3, so three draws pass from a cut of 30 - 60 x 3/7
+    (4.29: 4.5 in quarter steps) and all four from 30 - 50 x 3/7 (8.57: 8.75). The contexts'
+    chances multiply: 0.75 at each is 0.5625 in all, short of 0.6."""
     rows = [{"above_us": 30.0, "draw_floors_us": [50.0, 60.0, 70.0, 80.0]} for _ in range(2)]
-    cut = batch1_bound._cut_for(rows, 0.99, 0.7)
-    assert cut == pytest.approx(math.ceil(4 * (30 - 50 * 0.3 / 0.7)) / 4)  # 8.75
-    assert batch1_bound._chance_at(rows[0], cut, 0.7) == 1.0
-    assert batch1_bound._chance_at(rows[0], cut - 0.25, 0.7) == 0.75
+    assert batch1_bound._cut_for(rows, 0.5, 0.7) == 4.5
+    assert batch1_bound._cut_for(rows, 0.6, 0.7) == 8.75
+    assert batch1_bound._chance_at(rows[0], 8.75, 0.7) == 1.0
+    assert batch1_bound._chance_at(rows[0], 8.5, 0.7) == 0.75
     no_floor = [{"above_us": 30.0, "draw_floors_us": [0.0]}]
     assert batch1_bound._cut_for(no_floor, 0.99, 0.7) == 30.0  # only nothing above the floor
 
@@ -211,3 +223,41 @@ def test_the_fused_chance_refuses_a_batch_it_has_no_draws_or_cases_for() -> None
         batch1_bound.fused_chance(evidence, [], 8, 0.7)
     with pytest.raises(ValueError, match="no single-GPU batch-64"):
         batch1_bound.fused_chance(evidence, [7.0], 64, 0.85)
+
+
+def test_an_untimed_case_at_the_batch_is_refused_not_left_out() -> None:
+    """Left out, it would make the chance at every context a product over fewer contexts."""
+    evidence = _evidence([(8, 1024, 7.0), (8, 2048, 7.0)])
+    evidence["cases"][1]["performance"] = None  # type: ignore[index]
+    with pytest.raises(ValueError, match="batch=8 context=2048: no floor bytes"):
+        batch1_bound.fused_chance(evidence, [7.0], 8, 0.7)
+
+
+def test_draws_over_different_layer_counts_are_refused() -> None:
+    one, two = _evidence([(8, 1024, 7.0)]), _evidence([(8, 1024, 6.0)])
+    two["cases"][0]["performance"]["layers"] = 3  # type: ignore[index]
+    with pytest.raises(ValueError, match="different layer counts"):
+        batch1_bound.drawn_local_experts([one, two], 8)
+
+
+def test_the_script_counts_the_evidence_once_and_refuses_a_target_of_one(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """--draws may name the evidence again, spelled another way: its draws count once."""
+    evidence = tmp_path / "evidence.json"
+    evidence.write_text(json.dumps(_evidence([(1, 1024, 1.0), (8, 1024, 7.0), (8, 4096, 6.0)])))
+    floor = tmp_path / "launch_floor.json"
+    floor.write_text(json.dumps(LAUNCH_FLOOR))
+    out = tmp_path / "out.json"
+    monkeypatch.chdir(tmp_path)
+    argv = ["batch1_bound.py", "--launch-floor", str(floor), "--evidence", "evidence.json"]
+    argv += ["--draws", str(evidence), "--chance", "8:0.7", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    batch1_bound.main()
+    result = json.loads(out.read_text())
+    assert result["draw_files"] == ["evidence.json"]
+    assert [c["draws"] for c in result["fused_chance"]] == [2]
+    monkeypatch.setattr("sys.argv", [*argv[:-4], "--chance", "8:1.0"])
+    with pytest.raises(SystemExit):
+        batch1_bound.main()
+    assert "strictly between 0 and 1" in capsys.readouterr().err

@@ -398,7 +398,7 @@ def print_fused_chance(chance: dict[str, Any]) -> None:
 
 
 def _batch_and_target(pair: str) -> tuple[int, float]:
-    """ "8:0.70" -> (8, 0.7); a target must lie strictly between 0 and 1."""
+    """Parse "8:0.70" as (8, 0.7); a target must lie strictly between 0 and 1."""
     batch, target = pair.split(":")
     if not 0.0 < float(target) < 1.0:
         raise argparse.ArgumentTypeError(f"{pair}: the target must lie strictly between 0 and 1")
@@ -445,7 +445,8 @@ def main() -> None:
     args = parser.parse_args()
     launch_floor, evidence = _load(args.launch_floor), _load(args.evidence)
     result = bounds(launch_floor, evidence, args.kernels, args.target, tuple(args.step_us))
-    draw_files, seen = [], set()  # each file once, however spelled; the evidence first
+    draw_files: list[Path] = []  # each file once, however spelled; the evidence first
+    seen: set[Path] = set()
     for path in [args.evidence, *args.draws]:
         if path.resolve() not in seen:
             seen.add(path.resolve())

@@ -127,24 +127,18 @@ def chance_to_meet(
 def batch1_rows(evidence: dict[str, Any]) -> list[dict[str, Any]]:
     """The single-GPU batch-1 cases; every one must carry its timing, or the chance at all
     contexts would silently be a product over fewer of them."""
-    rows = []
-    for case in evidence["cases"]:
-        if case["batch"] != 1 or case.get("cp", 1) != 1 or case.get("gpus", 1) != 1:
-            continue
-        perf = case.get("performance") or {}
-        if not perf.get("hbm_bytes_per_s") or not perf.get("bytes_moved"):
-            raise ValueError(f"{case['id']}: no floor bytes or bandwidth in the evidence")
-        rows.append(
-            {
-                "context": case["context"],
-                "origin": case["origin"],
-                "layers": perf["layers"],
-                "bytes_per_layer": perf["bytes_moved"],
-                "bytes_per_s": perf["hbm_bytes_per_s"],
-                "fused_us": perf["candidate_us_median"],
-                "fused_fraction": perf["candidate_hbm_fraction"],
-            }
-        )
+    rows = [
+        {
+            "context": case["context"],
+            "origin": case["origin"],
+            "layers": perf["layers"],
+            "bytes_per_layer": perf["bytes_moved"],
+            "bytes_per_s": perf["hbm_bytes_per_s"],
+            "fused_us": perf["candidate_us_median"],
+            "fused_fraction": perf["candidate_hbm_fraction"],
+        }
+        for case, perf in _single_gpu_cases(evidence, 1)
+    ]
     return sorted(rows, key=lambda r: r["context"])
 
 

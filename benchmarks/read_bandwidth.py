@@ -1,0 +1,274 @@
+"""How fast this GPU can read HBM, by method: is the floor's bandwidth the ceiling?
+
+The MLA+MoE layer's floor fraction (docs/mla_moe_notes.md) divides the bytes a case must read
+by a measured bandwidth: the harness's device-to-device copy (bytes read + written per second,
+`environment.hbm_bytes_per_s`). The MoE kernels stream at about that rate (4.0 TB/s at batch 8),
+so they look "at the floor". This asks whether a read-only stream can go faster than the copy,
+and whether the MoE's access pattern (tiles of 64 weight rows x the hidden dim, a K step at a
+time, each step one MMA against a 16-row token tile) costs anything against a flat stream:
+
+- `copy`: the harness's measurement (a 512 MiB torch copy, read + written bytes);
+- `sum`: a 1 GiB bf16 torch sum (mla_moe_device_check's read bandwidth);
+- `stream`: a Triton kernel summing 1 GiB in contiguous blocks, by programs / block / warps;
+- `tiles`: the gate_up's pattern (pointer loads, software-pipelined), by programs / K step /
+  stages;
+- `tiles_tma`: the same with the weight tiles loaded through a TMA tensor descriptor.
+
+    python3 benchmarks/read_bandwidth.py [--out pathgate-out/benchmarks/read_bandwidth.json]
+
+Prints a table last and writes JSON. Needs a CUDA GPU (sm_90 for the TMA rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness.evaluation.environment import hbm_bytes_per_s
+from kernels.mla_moe_decode.triton_common import mma
+
+READ_BYTES = 2**30  # < 2**31 elements: int32 offsets hold
+HIDDEN = 7168  # the layer's hidden dim: one weight row
+TILE_ROWS = 64  # a gate_up program's weight rows (32 features x [gate, up])
+TOKEN_ROWS = 16  # the MMA's least M: batch 8 padded
+LAUNCHES = 12  # timed per variant, after two warm-ups; the median counts
+
+# (programs per SM, elements per block, warps)
+STREAM_VARIANTS = [
+    (1, 8192, 8),
+    (2, 8192, 8),
+    (4, 8192, 8),
+    (8, 8192, 4),
+    (2, 32768, 8),
+    (4, 32768, 8),
+    (1, 65536, 16),
+    (2, 16384, 4),
+]
+# (programs per SM, K step, stages, warps): the plan at batch 8 is about (2, 128, 4, 4)
+TILE_VARIANTS = [
+    (2, 128, 4, 4),
+    (1, 128, 4, 4),
+    (3, 128, 4, 4),
+    (2, 128, 6, 4),
+    (2, 256, 3, 4),
+    (2, 256, 4, 8),
+    (1, 256, 6, 8),
+    (2, 64, 8, 4),
+]
+
+
+@triton.jit
+def _stream_sum_kernel(src_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr):
+    """Each program sums blocks pid, pid + P, ... of `src` (bf16) in fp32: a flat read."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    offsets = tl.arange(0, BLOCK)
+    for block in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        acc += tl.load(src_ptr + block * BLOCK + offsets).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _tiles_kernel(
+    w_ptr,
+    h_ptr,
+    out_ptr,
+    n_tiles,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Each program takes tiles pid, pid + P, ...: (BLOCK_R rows of w) @ h.T over all of D, a
+    K step at a time, as the MoE's gate_up kernel reads an expert's feature block."""
+    m, r = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_R)
+    total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        rows = tile * BLOCK_R + r
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for first in range(0, D, BLOCK_K):
+            ks = first + tl.arange(0, BLOCK_K)
+            h = tl.load(h_ptr + m[:, None] * D + ks[None, :])
+            w = tl.load(w_ptr + rows[:, None] * D + ks[None, :])
+            acc = mma(h, tl.trans(w), acc, DOT_F32)
+        total += acc
+    out_at = out_ptr + tl.program_id(0) * BLOCK_M * BLOCK_R + m[:, None] * BLOCK_R + r[None, :]
+    tl.store(out_at, total)
+
+
+@triton.jit
+def _tiles_tma_kernel(
+    w_desc,
+    h_ptr,
+    out_ptr,
+    n_tiles,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """_tiles_kernel with the weight tiles loaded by TMA (a host tensor descriptor)."""
+    m, r = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_R)
+    total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for first in range(0, D, BLOCK_K):
+            ks = first + tl.arange(0, BLOCK_K)
+            h = tl.load(h_ptr + m[:, None] * D + ks[None, :])
+            w = w_desc.load([tile * BLOCK_R, first])
+            acc = mma(h, tl.trans(w), acc, DOT_F32)
+        total += acc
+    out_at = out_ptr + tl.program_id(0) * BLOCK_M * BLOCK_R + m[:, None] * BLOCK_R + r[None, :]
+    tl.store(out_at, total)
+
+
+def median_seconds(call: Callable[[], object]) -> float:
+    """Median of LAUNCHES event-timed calls after two warm-ups (the first compiles)."""
+    times = []
+    for i in range(LAUNCHES + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def check_stream(sums: torch.Tensor, data: torch.Tensor) -> None:
+    """The programs' sums add up to the data's: every block was read once (a block of 8192
+    unit normals left out or read twice moves the total by about 90)."""
+    torch.testing.assert_close(sums.double().sum(), data.double().sum(), rtol=0, atol=10.0)
+
+
+def check_tiles(out: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor) -> None:
+    """The programs' products add up to tokens @ (the sum of all tiles).T: every tile was
+    read and multiplied once (one tile of unit normals more or less moves an entry by ~85)."""
+    tiles = weights.double().view(-1, out.shape[2], weights.shape[1]).sum(0)
+    expected = tokens.double() @ tiles.T
+    torch.testing.assert_close(out.double().sum(0), expected, rtol=0, atol=5.0)
+
+
+def sum_row(data: torch.Tensor) -> dict:
+    return {"seconds": median_seconds(lambda: data.sum(dtype=torch.float32))}
+
+
+def stream_row(data: torch.Tensor, sms: int, per_sm: int, block: int, warps: int) -> dict:
+    programs = sms * per_sm
+    out = torch.empty(programs, device=data.device)
+    n_blocks = data.numel() // block
+
+    def run() -> None:
+        _stream_sum_kernel[(programs,)](data, out, n_blocks, BLOCK=block, num_warps=warps)
+
+    seconds = median_seconds(run)
+    check_stream(out, data)
+    return {"programs": programs, "block": block, "warps": warps, "seconds": seconds}
+
+
+def tile_row(
+    weights: torch.Tensor, sms: int, per_sm: int, k_step: int, stages: int, warps: int, tma: bool
+) -> dict:
+    programs = sms * per_sm
+    tokens = torch.randn(TOKEN_ROWS, HIDDEN, device=weights.device, dtype=torch.bfloat16)
+    out = torch.empty(programs, TOKEN_ROWS, TILE_ROWS, device=weights.device)
+    n_tiles = weights.shape[0] // TILE_ROWS
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        source = TensorDescriptor.from_tensor(weights, [TILE_ROWS, k_step])
+        kernel = _tiles_tma_kernel
+    else:
+        source, kernel = weights, _tiles_kernel
+    launch = {"num_warps": warps, "num_stages": stages}
+
+    def run() -> None:
+        kernel[(programs,)](
+            source, tokens, out, n_tiles, HIDDEN, TOKEN_ROWS, TILE_ROWS, k_step, False, **launch
+        )
+
+    seconds = median_seconds(run)
+    check_tiles(out, tokens, weights)
+    return {
+        "programs": programs,
+        "k_step": k_step,
+        "stages": stages,
+        "warps": warps,
+        "seconds": seconds,
+    }
+
+
+def measure(name: str, nbytes: int, build: Callable[..., dict], *args: object) -> dict:
+    """One row: build(*args)'s fields and the bandwidth, or the error that stopped it."""
+    try:
+        row = build(*args)
+    except Exception as exc:  # a variant the compiler or the GPU refuses: a row, not a crash
+        row = {"error": traceback.format_exception(exc)[-1].strip()[-300:]}
+    row = {"method": name, "bytes": nbytes, **row}
+    if "seconds" in row:
+        row["tb_per_s"] = nbytes / row["seconds"] / 1e12
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path("pathgate-out/benchmarks/read_bandwidth.json")
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    data = torch.randn(READ_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    rows = [
+        {"method": "copy", "bytes": 2 * 512 * 2**20, "tb_per_s": hbm_bytes_per_s(0) / 1e12},
+        measure("sum", READ_BYTES, sum_row, data),
+    ]
+    print(rows[0], flush=True)
+    for variant in STREAM_VARIANTS:
+        rows.append(measure("stream", READ_BYTES, stream_row, data, sms, *variant))
+    weights = data.view(-1, HIDDEN)[: (data.numel() // HIDDEN) // TILE_ROWS * TILE_ROWS]
+    for tma in (False, True):
+        name = "tiles_tma" if tma else "tiles"
+        for variant in TILE_VARIANTS:
+            rows.append(measure(name, weights.numel() * 2, tile_row, weights, sms, *variant, tma))
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}\n")
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| method | programs | block / K step | stages | warps | TB/s |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        shape = row.get("block", row.get("k_step", ""))
+        rate = f"{row['tb_per_s']:.3f}" if "tb_per_s" in row else row.get("error", "")[:60]
+        print(
+            f"| {row['method']} | {row.get('programs', '')} | {shape} | {row.get('stages', '')}"
+            f" | {row.get('warps', '')} | {rate} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

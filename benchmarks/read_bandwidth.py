@@ -241,7 +241,8 @@ def main() -> None:
     print(rows[0], flush=True)
     for variant in STREAM_VARIANTS:
         rows.append(measure("stream", READ_BYTES, stream_row, data, sms, *variant))
-    weights = data.view(-1, HIDDEN)[: (data.numel() // HIDDEN) // TILE_ROWS * TILE_ROWS]
+    rows_read = data.numel() // HIDDEN // TILE_ROWS * TILE_ROWS
+    weights = data[: rows_read * HIDDEN].view(rows_read, HIDDEN)
     for tma in (False, True):
         name = "tiles_tma" if tma else "tiles"
         for variant in TILE_VARIANTS:

@@ -12,6 +12,7 @@ time, each step one MMA against a 16-row token tile) costs anything against a fl
 - `stream`: a Triton kernel summing 1 GiB in contiguous blocks, by programs / block / warps;
 - `tiles`: the gate_up's pattern (pointer loads, software-pipelined), by programs / K step /
   stages;
+- `tiles_packed`: the same with the weights stored so that each K step's tile is contiguous;
 - `tiles_tma`: the same with the weight tiles loaded through a TMA tensor descriptor.
 
     python3 benchmarks/read_bandwidth.py [--out pathgate-out/benchmarks/read_bandwidth.json]
@@ -46,14 +47,14 @@ LAUNCHES = 12  # timed per variant, after two warm-ups; the median counts
 
 # (programs per SM, elements per block, warps)
 STREAM_VARIANTS = [
-    (1, 8192, 8),
     (2, 8192, 8),
+    (3, 8192, 8),
     (4, 8192, 8),
+    (6, 8192, 8),
     (8, 8192, 4),
-    (2, 32768, 8),
-    (4, 32768, 8),
-    (1, 65536, 16),
-    (2, 16384, 4),
+    (4, 4096, 4),
+    (8, 4096, 4),
+    (4, 16384, 8),
 ]
 # (programs per SM, K step, stages, warps): the plan at batch 8 is about (2, 128, 4, 4)
 TILE_VARIANTS = [
@@ -89,9 +90,12 @@ def _tiles_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PACKED: tl.constexpr = False,
 ):
     """Each program takes tiles pid, pid + P, ...: (BLOCK_R rows of w) @ h.T over all of D, a
-    K step at a time, as the MoE's gate_up kernel reads an expert's feature block."""
+    K step at a time, as the MoE's gate_up kernel reads an expert's feature block. PACKED: w
+    holds each (tile, K step) block contiguously (pack_tiles), so a step reads one run of
+    BLOCK_R x BLOCK_K elements instead of BLOCK_R rows' slices."""
     m, r = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_R)
     total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
@@ -100,7 +104,11 @@ def _tiles_kernel(
         for first in range(0, D, BLOCK_K):
             ks = first + tl.arange(0, BLOCK_K)
             h = tl.load(h_ptr + m[:, None] * D + ks[None, :])
-            w = tl.load(w_ptr + rows[:, None] * D + ks[None, :])
+            if PACKED:
+                block = w_ptr + (tile * (D // BLOCK_K) + first // BLOCK_K) * BLOCK_R * BLOCK_K
+                w = tl.load(block + r[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
+            else:
+                w = tl.load(w_ptr + rows[:, None] * D + ks[None, :])
             acc = mma(h, tl.trans(w), acc, DOT_F32)
         total += acc
     out_at = out_ptr + tl.program_id(0) * BLOCK_M * BLOCK_R + m[:, None] * BLOCK_R + r[None, :]
@@ -179,21 +187,31 @@ def stream_row(data: torch.Tensor, sms: int, per_sm: int, block: int, warps: int
     return {"programs": programs, "block": block, "warps": warps, "seconds": seconds}
 
 
+def pack_tiles(weights: torch.Tensor, tile_rows: int, k_step: int) -> torch.Tensor:
+    """(R, D) -> the same elements with each (tile, K step) block contiguous, in tile-major,
+    then K-step order: what _tiles_kernel reads with PACKED."""
+    rows, hidden = weights.shape
+    blocks = weights.view(rows // tile_rows, tile_rows, hidden // k_step, k_step)
+    return blocks.permute(0, 2, 1, 3).contiguous()
+
+
 def tile_row(
-    weights: torch.Tensor, sms: int, per_sm: int, k_step: int, stages: int, warps: int, tma: bool
+    weights: torch.Tensor, sms: int, per_sm: int, k_step: int, stages: int, warps: int, layout: str
 ) -> dict:
     programs = sms * per_sm
     tokens = torch.randn(TOKEN_ROWS, HIDDEN, device=weights.device, dtype=torch.bfloat16)
     out = torch.empty(programs, TOKEN_ROWS, TILE_ROWS, device=weights.device)
     n_tiles = weights.shape[0] // TILE_ROWS
-    if tma:
+    launch: dict[str, object] = {"num_warps": warps, "num_stages": stages}
+    if layout == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         source = TensorDescriptor.from_tensor(weights, [TILE_ROWS, k_step])
         kernel = _tiles_tma_kernel
     else:
         source, kernel = weights, _tiles_kernel
-    launch = {"num_warps": warps, "num_stages": stages}
+    if layout == "packed":
+        source, launch["PACKED"] = pack_tiles(weights, TILE_ROWS, k_step), True
 
     def run() -> None:
         kernel[(programs,)](
@@ -243,10 +261,11 @@ def main() -> None:
         rows.append(measure("stream", READ_BYTES, stream_row, data, sms, *variant))
     rows_read = data.numel() // HIDDEN // TILE_ROWS * TILE_ROWS
     weights = data[: rows_read * HIDDEN].view(rows_read, HIDDEN)
-    for tma in (False, True):
-        name = "tiles_tma" if tma else "tiles"
+    for layout in ("rows", "packed", "tma"):
+        name = "tiles" if layout == "rows" else f"tiles_{layout}"
         for variant in TILE_VARIANTS:
-            rows.append(measure(name, weights.numel() * 2, tile_row, weights, sms, *variant, tma))
+            row = measure(name, weights.numel() * 2, tile_row, weights, sms, *variant, layout)
+            rows.append(row)
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

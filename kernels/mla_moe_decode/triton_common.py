@@ -156,3 +156,60 @@ def prefetch_l2(pointers):
         is_pure=False,
         pack=1,
     )
+
+
+# L2 prefetch of weights read after the attention (LayerPlan.l2_prefetch; an experiment: off
+# unless the plan names a host kernel).
+
+L2_LINE_ELEMENTS = tl.constexpr(64)  # bf16 elements in a 128-byte line
+PREFETCH_LINES = tl.constexpr(128)  # lines a host program asks for at once
+PREFETCH_SPANS = 4  # spans a host kernel takes (unused ones have 0 elements)
+
+
+def prefetch_args(
+    spans: tuple[torch.Tensor, ...], mode: int, anchor: torch.Tensor
+) -> dict[str, object]:
+    """A host kernel's prefetch keywords: up to PREFETCH_SPANS bf16 tensors (never written by
+    the layer) as pointer and element count, and PREFETCH (0 off, 1 to L2, 2 to L2 marked
+    evict_last). Unused slots point at `anchor` (a tensor of the launch) with 0 elements. Off
+    on the CPU: the interpreter runs no inline PTX."""
+    if anchor.device.type != "cuda" or not spans:
+        mode = 0
+    args: dict[str, object] = {"PREFETCH": mode}
+    for i in range(PREFETCH_SPANS):
+        span = spans[i] if i < len(spans) and mode else None
+        args[f"pf{i}"] = anchor if span is None else span
+        args[f"pf_n{i}"] = 0 if span is None else span.numel()
+    return args
+
+
+@triton.jit
+def prefetch_spans(
+    pf0, pf_n0, pf1, pf_n1, pf2, pf_n2, pf3, pf_n3, program, programs, PREFETCH: tl.constexpr
+):  # fmt: skip
+    """This program's share (every programs-th group of PREFETCH_LINES lines) of four spans
+    into L2."""
+    if PREFETCH > 0:
+        _prefetch_span(pf0, pf_n0, program, programs, PREFETCH)
+        _prefetch_span(pf1, pf_n1, program, programs, PREFETCH)
+        _prefetch_span(pf2, pf_n2, program, programs, PREFETCH)
+        _prefetch_span(pf3, pf_n3, program, programs, PREFETCH)
+
+
+@triton.jit
+def _prefetch_span(ptr, numel, program, programs, PREFETCH: tl.constexpr):
+    lines = tl.cdiv(numel, L2_LINE_ELEMENTS)
+    for first in range(program * PREFETCH_LINES, lines, programs * PREFETCH_LINES):
+        line = tl.minimum(first + tl.arange(0, PREFETCH_LINES), lines - 1)
+        pointers = ptr + line.to(tl.int64) * L2_LINE_ELEMENTS
+        if PREFETCH == 1:
+            prefetch_l2(pointers)
+        else:
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2::evict_last [$1]; // $0 unused",
+                "=r,l",
+                [pointers],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )

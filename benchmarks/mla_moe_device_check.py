@@ -1098,7 +1098,7 @@ def _compare_pdl_modes(
 # (2026-12-04, docs/benchmarks.md) tried 1, 2 and 8 warps for latent_prep, the combine and w_uv,
 # 2 and 8 for q_absorb, 4 and 8 for the post-attention norm, 1 and 2 for routing: none won by
 # more than 1%, and fewer warps lost up to 8.5%.
-SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | str]] = {
+SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool]] = {
     "prep 8 warps": ("prep_warps", 8),  # latent_prep (plan: 4)
     "prep 16 warps": ("prep_warps", 16),
     "route 8 warps": ("route_warps", 8),  # the routing kernel (plan: 4)
@@ -1107,18 +1107,9 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | str]] = {
     "norm 32 warps": ("norm_warps", 32),  # the post-attention add + RMSNorm (plan: 16 here)
     "absorb 8 warps": ("absorb_warps", 8),  # q_absorb (plan: 4)
 }
-# The weights read after the attention (o_proj, router, shared expert: 31 MB) asked of L2 at
-# the end of one attention kernel, so that they stream while the latency-bound kernels after
-# it leave HBM idle (AttentionBlocks.prefetch_in).
-PREFETCH_VARIANTS: dict[str, tuple[str, int | bool | str]] = {
-    f"prefetch in {host}": ("prefetch_in", host)
-    for host in ("absorb", "split", "combine", "absorb+last", "split+last", "combine+last")
-}
 
 
-def with_plan_value(
-    plan: fused.LayerPlan, field_name: str, value: int | bool | str
-) -> fused.LayerPlan:
+def with_plan_value(plan: fused.LayerPlan, field_name: str, value: int | bool) -> fused.LayerPlan:
     """The plan with one small kernel's launch field changed."""
     change: dict[str, Any] = {field_name: value}
     if hasattr(plan.attention, field_name):
@@ -1127,27 +1118,22 @@ def with_plan_value(
 
 
 def _compare_small_kernels(
-    problem: Problem,
-    weights: list[Tensors],
-    case: Case,
-    row: PdlRow,
-    t: Target,
-    changes: Mapping[str, tuple[str, int | bool | str]] = SMALL_KERNEL_VARIANTS,
+    problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
-    """The plan ("off") and each of `changes`: fused.layer_plan is replaced, for the whole
-    comparison, by one that applies the current variant's change."""
+    """The plan ("off") and each SMALL_KERNEL_VARIANTS change: fused.layer_plan is replaced,
+    for the whole comparison, by one that applies the current variant's change."""
     planned = fused.layer_plan
-    current: list[tuple[str, int | bool | str]] = []  # the change in force; none for "off"
+    current: list[tuple[str, int | bool]] = []  # the change in force; none for "off"
 
     def changed(*key: Any) -> fused.LayerPlan:
         plan = planned(*key)
         return with_plan_value(plan, *current[0]) if current else plan
 
-    def use(change: tuple[str, int | bool | str] | None) -> None:
+    def use(change: tuple[str, int | bool] | None) -> None:
         current[:] = [change] if change else []
 
     variants = {"off": partial(use, None)}
-    variants |= {name: partial(use, change) for name, change in changes.items()}
+    variants |= {name: partial(use, change) for name, change in SMALL_KERNEL_VARIANTS.items()}
     with mock.patch.object(fused, "layer_plan", changed):  # read at capture, as PDL's mode
         _compare_variants(problem, weights, case, row, t, variants)
 
@@ -1348,11 +1334,9 @@ def main() -> None:
     contexts = [8192] if args.quick else [1024, 8192, 32768]
     if args.small:
         contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
-    if args.sweep_pdl or args.sweep_small_kernels or args.sweep_prefetch:
+    if args.sweep_pdl or args.sweep_small_kernels:
         compare = _compare_pdl_modes if args.sweep_pdl else _compare_small_kernels
-        if args.sweep_prefetch:
-            compare = partial(_compare_small_kernels, changes=PREFETCH_VARIANTS)
-        print(f"== {getattr(compare, '__name__', 'prefetch')}", flush=True)
+        print(f"== {compare.__name__}", flush=True)
         cases = [(b, c) for b in args.batches or batches for c in contexts]
         pdl_rows = _each_case(
             problem, cases, t, PdlRow, compare, lambda row: print(asdict(row), flush=True)
@@ -1475,12 +1459,6 @@ def _parse_args() -> argparse.Namespace:
         action="store_true",
         help="instead of parts 1 and 2: the fused layer with one small kernel's launch "
         "changed, each change against the plan (as --sweep-pdl compares)",
-    )
-    parser.add_argument(
-        "--sweep-prefetch",
-        action="store_true",
-        help="instead of parts 1 and 2: the fused layer with the weights read after the "
-        "attention asked of L2 by one attention kernel (each PREFETCH_VARIANTS entry)",
     )
     parser.add_argument(
         "--skip", nargs="*", default=[], help="kernel checks to leave out, e.g. input_norm"

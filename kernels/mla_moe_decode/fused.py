@@ -385,15 +385,12 @@ def _attention_and_routing(
     q = splitk_gemv(q_c, w["q_b_proj"], plan.q_b)
     q_lat = x.new_empty(batch, c.heads, c.latent_dim)
     nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
-    after_attention = (w["o_proj"], w["gate"], w["shared_gate_up"], w["shared_down"])
-    q_absorb(
-        q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention, after_attention
-    )
+    q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention)
     o_lat = x.new_empty(batch, c.heads, c.kv_lora_rank)
     scale = c.qk_head_dim**-0.5  # the stock softmax scale (YaRN's mscale left out, as there)
     group = cp_group()
     if group is None:
-        mla_attention(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, after_attention)
+        mla_attention(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention)
     else:  # decode CP: `cache` is this rank's slice; the ranks' partials merge exactly
         mla_attention_cp(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, group)
     o = x.new_empty(batch, c.heads * v_dim)

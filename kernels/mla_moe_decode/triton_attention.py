@@ -35,8 +35,6 @@ import triton.language as tl
 from kernels.mla_moe_decode.triton_common import (
     mma,
     pdl_options,
-    prefetch_args,
-    prefetch_spans,
     rms_normalize,
     rotate_pairs,
     round_bf16,
@@ -67,18 +65,6 @@ class AttentionBlocks:
     absorb_warps: int = 4
     combine_warps: int = 4
     uv_warps: int = 4
-    # Experiment: the kernel ("absorb", "split", "combine"; "" none) that, at its end, asks L2
-    # for the weights read after the attention (o_proj, router, shared expert), so that they
-    # stream while the attention's latency-bound kernels leave HBM idle; "+last" marks the
-    # lines evict_last.
-    prefetch_in: str = ""
-
-
-def _prefetch_mode(blocks: AttentionBlocks, kernel: str) -> int:
-    """The PREFETCH constexpr of `kernel`: 0 unless the plan has it host the prefetch; then 1,
-    or 2 for lines marked evict_last."""
-    host, _, last = blocks.prefetch_in.partition("+")
-    return 0 if host != kernel else 2 if last else 1
 
 
 # fused_qkv_a partial sums -> q_a_layernorm(q_c), kv_new
@@ -206,15 +192,6 @@ def _q_absorb_kernel(
     BLOCK_HALF_R: tl.constexpr,
     DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
-    pf0,  # PREFETCH: up to four weights read after the attention, into L2 (prefetch_args)
-    pf_n0,
-    pf1,
-    pf_n1,
-    pf2,
-    pf_n2,
-    pf3,
-    pf_n3,
-    PREFETCH: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     head = tl.program_id(0)
@@ -248,9 +225,6 @@ def _q_absorb_kernel(
         pe_at = out_row + L + 2 * pairs[None, :]
         tl.store(pe_at, round_bf16(even), mask=pair_mask)
         tl.store(pe_at + 1, round_bf16(odd), mask=pair_mask)
-    program = head + tl.num_programs(0) * (col_block + tl.num_programs(1) * tl.program_id(2))
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    prefetch_spans(pf0, pf_n0, pf1, pf_n1, pf2, pf_n2, pf3, pf_n3, program, programs, PREFETCH)
 
 
 def q_absorb(
@@ -262,10 +236,8 @@ def q_absorb(
     nope: int,
     v_dim: int,
     blocks: AttentionBlocks,
-    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> None:
-    """parts (splits, B, H*(N+R)) fp32 -> q_lat (B, H, L+R) bf16. `prefetch`: weights the
-    plan may ask L2 for at the end (AttentionBlocks.prefetch_in)."""
+    """parts (splits, B, H*(N+R)) fp32 -> q_lat (B, H, L+R) bf16."""
     n_splits, batch, _ = parts.shape
     _, heads, width = q_lat.shape
     lora = kv_b_proj.shape[1]
@@ -292,7 +264,6 @@ def q_absorb(
         DOT_F32=not parts.is_cuda,
         num_warps=blocks.absorb_warps,
         **pdl_options(parts.device),
-        **prefetch_args(prefetch, _prefetch_mode(blocks, "absorb"), q_lat),
     )
 
 
@@ -318,15 +289,6 @@ def _mla_split_kernel(
     BLOCK_R: tl.constexpr,
     DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
-    pf0,  # PREFETCH: up to four weights read after the attention, into L2 (prefetch_args)
-    pf_n0,
-    pf1,
-    pf_n1,
-    pf2,
-    pf_n2,
-    pf3,
-    pf_n3,
-    PREFETCH: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
@@ -374,8 +336,6 @@ def _mla_split_kernel(
     tl.store(sum_ptr + stat_at, running_sum, mask=head_mask)
     acc_at = acc_ptr + stat_at[:, None] * L + ls[None, :]
     tl.store(acc_at, acc, mask=head_mask[:, None] & l_mask[None, :])
-    program, programs = split + n_splits * row, n_splits * tl.num_programs(0)
-    prefetch_spans(pf0, pf_n0, pf1, pf_n1, pf2, pf_n2, pf3, pf_n3, program, programs, PREFETCH)
 
 
 @triton.jit
@@ -400,15 +360,6 @@ def _mla_combine_kernel(
     BLOCK_D: tl.constexpr,
     FINAL: tl.constexpr,
     PDL: tl.constexpr,
-    pf0,  # PREFETCH: up to four weights read after the attention, into L2 (prefetch_args)
-    pf_n0,
-    pf1,
-    pf_n1,
-    pf2,
-    pf_n2,
-    pf3,
-    pf_n3,
-    PREFETCH: tl.constexpr,
 ):
     """FINAL: the splits and the new token, normalized, as bf16 (the attention). Otherwise one
     decode-CP rank's splits merged into a single split (max, sum, fp32 sum of the rescaled
@@ -467,9 +418,6 @@ def _mla_combine_kernel(
             merged_at = row * H + heads
             tl.store(merged_max_ptr + merged_at, tl.max(split_max, axis=0), mask=head_mask)
             tl.store(merged_sum_ptr + merged_at, total, mask=head_mask)
-    program = row + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * col_block)
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    prefetch_spans(pf0, pf_n0, pf1, pf_n1, pf2, pf_n2, pf3, pf_n3, program, programs, PREFETCH)
 
 
 def mla_attention(
@@ -479,13 +427,11 @@ def mla_attention(
     o_lat: torch.Tensor,
     scale: float,
     blocks: AttentionBlocks,
-    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> None:
     """q_lat (B, H, L+R), kv_cache (B, T, L+R), kv_new (B, L+R) bf16 -> o_lat (B, H, L) bf16:
-    softmax(q . [cache; new] * scale) @ [cache; new][:, :L], the split kernel then the combine.
-    `prefetch`: as q_absorb's."""
-    stats, partial = _split_partials(q_lat, kv_cache, o_lat.shape[2], scale, blocks, prefetch)
-    _combine(stats, partial, q_lat, kv_new, o_lat, None, scale, blocks, prefetch)
+    softmax(q . [cache; new] * scale) @ [cache; new][:, :L], the split kernel then the combine."""
+    stats, partial = _split_partials(q_lat, kv_cache, o_lat.shape[2], scale, blocks)
+    _combine(stats, partial, q_lat, kv_new, o_lat, None, scale, blocks)
 
 
 # torch 2.13 renamed it (the old name warns); the GPU machines run torch 2.11
@@ -550,12 +496,7 @@ def combine_rank_splits(
 
 
 def _split_partials(
-    q_lat: torch.Tensor,
-    kv_cache: torch.Tensor,
-    lora: int,
-    scale: float,
-    blocks: AttentionBlocks,
-    prefetch: tuple[torch.Tensor, ...] = (),
+    q_lat: torch.Tensor, kv_cache: torch.Tensor, lora: int, scale: float, blocks: AttentionBlocks
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel: per split, (max, sum) as stats (2, B, S, H) and the partial sums
     (B, S, H, L), all fp32."""
@@ -584,7 +525,6 @@ def _split_partials(
         num_warps=blocks.split_warps,
         num_stages=blocks.split_stages,
         **pdl_options(q_lat.device),
-        **prefetch_args(prefetch, _prefetch_mode(blocks, "split"), q_lat),
     )
     return stats, partial
 
@@ -598,7 +538,6 @@ def _combine(
     merged: tuple[torch.Tensor, torch.Tensor] | None,
     scale: float,
     blocks: AttentionBlocks,
-    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> None:
     """The combine kernel over the splits of `partial`: the attention into `out` (bf16) when
     `merged` is None; else one rank's merged split, its partial into `out` (fp32) and its
@@ -629,7 +568,6 @@ def _combine(
         FINAL=merged is None,
         num_warps=blocks.combine_warps,
         **pdl_options(stats[0].device),
-        **prefetch_args(prefetch, _prefetch_mode(blocks, "combine"), q_lat),
     )
 
 

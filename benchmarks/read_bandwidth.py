@@ -15,6 +15,10 @@ time, each step one MMA against a 16-row token tile) costs anything against a fl
 - `tiles_packed`: the same with the weights stored so that each K step's tile is contiguous;
 - `tiles_tma`: the same with the weight tiles loaded through a TMA tensor descriptor.
 
+Each variant is compiled and checked (its kernel must read every byte it is credited with),
+then timed once per round for ROUNDS rounds, every variant in each round, so that a drift of
+the GPU's clocks moves them alike; a row reports the median and the slowest and fastest rounds.
+
     python3 benchmarks/read_bandwidth.py [--out pathgate-out/benchmarks/read_bandwidth.json]
 
 Prints a table last and writes JSON. Needs a CUDA GPU (sm_90 for the TMA rows).
@@ -36,14 +40,13 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.evaluation.environment import hbm_bytes_per_s
 from kernels.mla_moe_decode.triton_common import mma
 
 READ_BYTES = 2**30  # < 2**31 elements: int32 offsets hold
 HIDDEN = 7168  # the layer's hidden dim: one weight row
 TILE_ROWS = 64  # a gate_up program's weight rows (32 features x [gate, up])
 TOKEN_ROWS = 16  # the MMA's least M: batch 8 padded
-LAUNCHES = 12  # timed per variant, after two warm-ups; the median counts
+ROUNDS = 50  # each times every variant once (after its compile-and-check launch)
 
 # (programs per SM, elements per block, warps)
 STREAM_VARIANTS = [
@@ -142,18 +145,14 @@ def _tiles_tma_kernel(
     tl.store(out_at, total)
 
 
-def median_seconds(call: Callable[[], object]) -> float:
-    """Median of LAUNCHES event-timed calls after two warm-ups (the first compiles)."""
-    times = []
-    for i in range(LAUNCHES + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+def seconds_once(call: Callable[[], object]) -> float:
+    """One event-timed call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def check_stream(sums: torch.Tensor, data: torch.Tensor) -> None:
@@ -170,11 +169,22 @@ def check_tiles(out: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor) 
     torch.testing.assert_close(out.double().sum(0), expected, rtol=0, atol=5.0)
 
 
-def sum_row(data: torch.Tensor) -> dict:
-    return {"seconds": median_seconds(lambda: data.sum(dtype=torch.float32))}
+Runner = tuple[dict[str, object], Callable[[], object]]  # (the variant's fields, one launch)
 
 
-def stream_row(data: torch.Tensor, sms: int, per_sm: int, block: int, warps: int) -> dict:
+def copy_runner() -> Runner:
+    """The harness's measurement (environment.hbm_bytes_per_s): 512 MiB copied, read + written
+    bytes counted."""
+    src = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    return {}, lambda: dst.copy_(src)
+
+
+def sum_runner(data: torch.Tensor) -> Runner:
+    return {}, lambda: data.sum(dtype=torch.float32)
+
+
+def stream_runner(data: torch.Tensor, sms: int, per_sm: int, block: int, warps: int) -> Runner:
     programs = sms * per_sm
     out = torch.empty(programs, device=data.device)
     n_blocks = data.numel() // block
@@ -182,9 +192,9 @@ def stream_row(data: torch.Tensor, sms: int, per_sm: int, block: int, warps: int
     def run() -> None:
         _stream_sum_kernel[(programs,)](data, out, n_blocks, BLOCK=block, num_warps=warps)
 
-    seconds = median_seconds(run)
+    run()
     check_stream(out, data)
-    return {"programs": programs, "block": block, "warps": warps, "seconds": seconds}
+    return {"programs": programs, "block": block, "warps": warps}, run
 
 
 def pack_tiles(weights: torch.Tensor, tile_rows: int, k_step: int) -> torch.Tensor:
@@ -195,9 +205,9 @@ def pack_tiles(weights: torch.Tensor, tile_rows: int, k_step: int) -> torch.Tens
     return blocks.permute(0, 2, 1, 3).contiguous()
 
 
-def tile_row(
+def tile_runner(
     weights: torch.Tensor, sms: int, per_sm: int, k_step: int, stages: int, warps: int, layout: str
-) -> dict:
+) -> Runner:
     programs = sms * per_sm
     tokens = torch.randn(TOKEN_ROWS, HIDDEN, device=weights.device, dtype=torch.bfloat16)
     out = torch.empty(programs, TOKEN_ROWS, TILE_ROWS, device=weights.device)
@@ -218,28 +228,38 @@ def tile_row(
             source, tokens, out, n_tiles, HIDDEN, TOKEN_ROWS, TILE_ROWS, k_step, False, **launch
         )
 
-    seconds = median_seconds(run)
+    run()
     check_tiles(out, tokens, weights)
-    return {
-        "programs": programs,
-        "k_step": k_step,
-        "stages": stages,
-        "warps": warps,
-        "seconds": seconds,
-    }
+    return {"programs": programs, "k_step": k_step, "stages": stages, "warps": warps}, run
 
 
-def measure(name: str, nbytes: int, build: Callable[..., dict], *args: object) -> dict:
-    """One row: build(*args)'s fields and the bandwidth, or the error that stopped it."""
+def build(method: str, nbytes: int, runner: Callable[..., Runner], *args: object) -> Runner:
+    """A variant's row and launch, compiled and checked; a variant the compiler or the GPU
+    refuses becomes a row with its error and no launch."""
+    row: dict[str, object] = {"method": method, "bytes": nbytes}
     try:
-        row = build(*args)
-    except Exception as exc:  # a variant the compiler or the GPU refuses: a row, not a crash
-        row = {"error": traceback.format_exception(exc)[-1].strip()[-300:]}
-    row = {"method": name, "bytes": nbytes, **row}
-    if "seconds" in row:
+        fields, run = runner(*args)
+    except Exception as exc:
+        row["error"] = traceback.format_exception(exc)[-1].strip()[-300:]
+        print(row, flush=True)
+        return row, lambda: None
+    return row | fields, run
+
+
+def time_in_rounds(variants: list[Runner]) -> None:
+    """ROUNDS rounds, each timing every variant once, in order: a drift of the GPU's clocks or
+    temperature then moves every variant alike. Each row gets its median and its slowest and
+    fastest rounds' rates."""
+    live = [(row, run) for row, run in variants if "error" not in row]
+    seconds: list[list[float]] = [[] for _ in live]
+    for _ in range(ROUNDS):
+        for times, (_, run) in zip(seconds, live, strict=True):
+            times.append(seconds_once(run))
+    for times, (row, _) in zip(seconds, live, strict=True):
+        nbytes = float(row["bytes"])  # type: ignore[arg-type]
+        row["seconds"] = statistics.median(times)
         row["tb_per_s"] = nbytes / row["seconds"] / 1e12
-    print(row, flush=True)
-    return row
+        row["tb_per_s_range"] = [nbytes / max(times) / 1e12, nbytes / min(times) / 1e12]
 
 
 def main() -> None:
@@ -252,20 +272,19 @@ def main() -> None:
         parser.error("needs a CUDA GPU")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     data = torch.randn(READ_BYTES // 2, device="cuda", dtype=torch.bfloat16)
-    rows = [
-        {"method": "copy", "bytes": 2 * 512 * 2**20, "tb_per_s": hbm_bytes_per_s(0) / 1e12},
-        measure("sum", READ_BYTES, sum_row, data),
-    ]
-    print(rows[0], flush=True)
-    for variant in STREAM_VARIANTS:
-        rows.append(measure("stream", READ_BYTES, stream_row, data, sms, *variant))
     rows_read = data.numel() // HIDDEN // TILE_ROWS * TILE_ROWS
     weights = data[: rows_read * HIDDEN].view(rows_read, HIDDEN)
+    variants = [
+        build("copy", 2 * 512 * 2**20, copy_runner),
+        build("sum", READ_BYTES, sum_runner, data),
+        *(build("stream", READ_BYTES, stream_runner, data, sms, *v) for v in STREAM_VARIANTS),
+    ]
     for layout in ("rows", "packed", "tma"):
         name = "tiles" if layout == "rows" else f"tiles_{layout}"
-        for variant in TILE_VARIANTS:
-            row = measure(name, weights.numel() * 2, tile_row, weights, sms, *variant, layout)
-            rows.append(row)
+        for v in TILE_VARIANTS:
+            variants.append(build(name, weights.numel() * 2, tile_runner, weights, sms, *v, layout))
+    time_in_rounds(variants)
+    rows = [row for row, _ in variants]
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -279,14 +298,18 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| method | programs | block / K step | stages | warps | TB/s |")
-    print("|---|---|---|---|---|---|")
+    print("| method | programs | block / K step | stages | warps | TB/s (median) | rounds' range |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         shape = row.get("block", row.get("k_step", ""))
-        rate = f"{row['tb_per_s']:.3f}" if "tb_per_s" in row else row.get("error", "")[:60]
+        if "tb_per_s" in row:
+            low, high = row["tb_per_s_range"]
+            rate, spread = f"{row['tb_per_s']:.3f}", f"{low:.2f}-{high:.2f}"
+        else:
+            rate, spread = str(row.get("error", ""))[:60], ""
         print(
             f"| {row['method']} | {row.get('programs', '')} | {shape} | {row.get('stages', '')}"
-            f" | {row.get('warps', '')} | {rate} |"
+            f" | {row.get('warps', '')} | {rate} | {spread} |"
         )
 
 

@@ -46,6 +46,7 @@ READ_BYTES = 2**30  # < 2**31 elements: int32 offsets hold
 HIDDEN = 7168  # the layer's hidden dim: one weight row
 TILE_ROWS = 64  # a gate_up program's weight rows (32 features x [gate, up])
 TOKEN_ROWS = 16  # the MMA's least M: batch 8 padded
+L2_FLUSH_BYTES = 2**28  # read before every timed launch: 5x the H200's 50 MB of L2
 ROUNDS = 50  # each times every variant once (after its compile-and-check launch)
 
 # (programs per SM, elements per block, warps)
@@ -145,8 +146,10 @@ def _tiles_tma_kernel(
     tl.store(out_at, total)
 
 
-def seconds_once(call: Callable[[], object]) -> float:
-    """One event-timed call."""
+def seconds_once(call: Callable[[], object], flush: torch.Tensor) -> float:
+    """One event-timed call, after reading `flush` (larger than L2, outside the timing): no
+    variant finds in L2 what the one before it read, nor dirty lines of its own to write back."""
+    flush.sum(dtype=torch.float32)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     call()
@@ -246,7 +249,7 @@ def build(method: str, nbytes: int, runner: Callable[..., Runner], *args: object
     return row | fields, run
 
 
-def time_in_rounds(variants: list[Runner]) -> None:
+def time_in_rounds(variants: list[Runner], flush: torch.Tensor) -> None:
     """ROUNDS rounds, each timing every variant once, in order: a drift of the GPU's clocks or
     temperature then moves every variant alike. Each row gets its median and its slowest and
     fastest rounds' rates."""
@@ -254,7 +257,7 @@ def time_in_rounds(variants: list[Runner]) -> None:
     seconds: list[list[float]] = [[] for _ in live]
     for _ in range(ROUNDS):
         for times, (_, run) in zip(seconds, live, strict=True):
-            times.append(seconds_once(run))
+            times.append(seconds_once(run, flush))
     for times, (row, _) in zip(seconds, live, strict=True):
         nbytes = float(row["bytes"])  # type: ignore[arg-type]
         row["seconds"] = statistics.median(times)
@@ -283,7 +286,8 @@ def main() -> None:
         name = "tiles" if layout == "rows" else f"tiles_{layout}"
         for v in TILE_VARIANTS:
             variants.append(build(name, weights.numel() * 2, tile_runner, weights, sms, *v, layout))
-    time_in_rounds(variants)
+    flush = torch.ones(L2_FLUSH_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    time_in_rounds(variants, flush)
     rows = [row for row, _ in variants]
     result = {
         "device": torch.cuda.get_device_name(),

@@ -644,6 +644,15 @@ MOE_TILES_SMALL = [
     (32, 128, 32, 128, 4, 4, 1, 1, 0, 7),
     (32, 128, 32, 128, 4, 4, 1, 1, 0, 14),
     (32, 128, 32, 128, 4, 4, 1, 1, 0, 28),
+    # the down kernel alone (2026-12-04, sixteenth session): its 224 programs of 32 outputs
+    # (1.7 per SM) read about 10% slower per byte than the gate_up's in the batch-8 profile;
+    # more or deeper programs: 16 outputs (448), its K split over 2 or 4, K steps of 256
+    (32, 128, 16, 128, 4, 4),
+    (32, 128, 32, 128, 4, 4, 1, 2),
+    (32, 128, 32, 128, 4, 4, 1, 4),
+    (32, 128, 32, 256, 4, 4),
+    (32, 128, 16, 256, 4, 4),
+    (32, 128, 16, 128, 4, 4, 1, 2),
 ]
 # Above batch 16 the 2026-12-03 sweeps (docs/runs/2026-12-03-worklist/moe.json) had the plan
 # within 2% of every other gate_up tiling, and narrower down programs 38% slower. The ninth

@@ -68,8 +68,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness.evaluation import bandwidth
 from harness.evaluation.cases import Case
-from harness.evaluation.environment import hbm_bytes_per_s
 from harness.evaluation.profiling import profile_step
 from harness.evaluation.stats import median
 from harness.evaluation.timing import LayerSet, capture_graph, run_layers, timed_pairs
@@ -1227,24 +1227,21 @@ def _empty_cache(t: Target) -> None:
 
 
 def bandwidths(t: Target) -> tuple[float, float]:
-    """(copy bytes read + written per second, read-only bytes per second of a bf16 sum)."""
-    nbytes = 2**30 if t.on_gpu else 2**26
+    """(copy bytes read + written per second, read-only bytes per second): on the GPU the
+    engine's own two readings (harness.evaluation.bandwidth; the read is its stream kernel),
+    on the CPU a bf16 sum (and twice it for the copy)."""
+    if t.on_gpu:
+        index = t.device.index or 0
+        return bandwidth.copy_bytes_per_s(index), bandwidth.read_bytes_per_s(index)
+    nbytes = 2**26
     data = torch.ones(nbytes // 2, dtype=BF16, device=t.device)
     times = []
     for _ in range(12):
         started = time.perf_counter()
-        if t.on_gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            data.sum(dtype=torch.float32)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            data.sum(dtype=torch.float32)
-            times.append(time.perf_counter() - started)
+        data.sum(dtype=torch.float32)
+        times.append(time.perf_counter() - started)
     read = nbytes / median(times[2:])
-    return (hbm_bytes_per_s(t.device.index or 0) if t.on_gpu else 2 * read), read
+    return 2 * read, read
 
 
 def _describe(exc: BaseException) -> str:

@@ -34,8 +34,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness.evaluation import bandwidth
 from harness.evaluation.cases import Case
-from harness.evaluation.environment import hbm_bytes_per_s
 from harness.evaluation.profiling import profile_step
 from harness.evaluation.stats import median
 from harness.evaluation.timing import LayerSet, capture_graph, eager_us, run_layers, timed_pairs
@@ -231,9 +231,11 @@ def _top_kernels(
 
 
 def _bandwidths(device: torch.device) -> tuple[float, float]:
-    """(copy bytes read + written per second, read-only bytes per second of a sum)."""
+    """(copy bytes read + written per second, read-only bytes per second): on the GPU the
+    engine's readings (harness.evaluation.bandwidth), on the CPU a copy and a sum."""
     if device.type == "cuda":
-        return hbm_bytes_per_s(device.index or 0), _read_bytes_per_s(device, 2**30)
+        index = device.index or 0
+        return bandwidth.copy_bytes_per_s(index), bandwidth.read_bytes_per_s(index)
     src = torch.ones(2**24, dtype=torch.float32)
     dst = torch.empty_like(src)
     copy_s = _best_seconds(lambda: dst.copy_(src), device)

@@ -1,16 +1,19 @@
 """How fast this GPU can read HBM, by method: is the floor's bandwidth the ceiling?
 
-The MLA+MoE layer's floor fraction (docs/mla_moe_notes.md) divides the bytes a case must read
-by a measured bandwidth: the harness's device-to-device copy (bytes read + written per second,
-`environment.hbm_bytes_per_s`). The MoE kernels stream at about that rate (4.0 TB/s at batch 8),
-so they look "at the floor". This asks whether a read-only stream can go faster than the copy,
-and whether the MoE's access pattern (tiles of 64 weight rows x the hidden dim, a K step at a
-time, each step one MMA against a 16-row token tile) costs anything against a flat stream:
+A case's floor fraction divides the bytes it must move by a measured bandwidth
+(harness.evaluation.bandwidth). Until 2026-12-04 that was a device-to-device copy (bytes read
++ written per second), and the MLA+MoE layer's MoE kernels streamed at about that rate (4.0
+TB/s at batch 8), so they looked "at the floor". This asks whether a read-only stream goes
+faster than the copy (it does: the floor now takes the larger of the two), and whether the
+MoE's access pattern (tiles of 64 weight rows x the hidden dim, a K step at a time, each step
+one MMA against a 16-row token tile) costs anything against a flat stream:
 
-- `copy (harness)`: `hbm_bytes_per_s` itself, as the engine calls it;
-- `copy`: its method (a 512 MiB torch copy, read + written bytes), timed in the rounds;
-- `sum`: a 1 GiB bf16 torch sum (mla_moe_device_check's read bandwidth);
-- `stream`: a Triton kernel summing 1 GiB in contiguous blocks, by programs / block / warps;
+- `copy (engine)`, `floor (engine)`: the engine's copy reading and floor bandwidth, as it
+  takes them (bandwidth.copy_bytes_per_s, bandwidth.hbm_bytes_per_s);
+- `copy`: the copy (512 MiB, read + written bytes), timed in the rounds;
+- `sum`: a 1 GiB bf16 torch sum (the read bandwidth benchmarks used before);
+- `stream`: the engine's read kernel (bandwidth.stream_sum_kernel) over 1 GiB, by programs /
+  block / warps;
 - `tiles`: the gate_up's pattern (pointer loads, software-pipelined), by programs / K step /
   stages;
 - `tiles_packed`: the same with the weights stored so that each K step's tile is contiguous;
@@ -41,7 +44,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.evaluation.environment import hbm_bytes_per_s
+from harness.evaluation.bandwidth import copy_bytes_per_s, hbm_bytes_per_s, stream_sum_kernel
 from kernels.mla_moe_decode.triton_common import mma
 
 READ_BYTES = 2**30  # < 2**31 elements: int32 offsets hold
@@ -73,16 +76,6 @@ TILE_VARIANTS = [
     (1, 256, 6, 8),
     (2, 64, 8, 4),
 ]
-
-
-@triton.jit
-def _stream_sum_kernel(src_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr):
-    """Each program sums blocks pid, pid + P, ... of `src` (bf16) in fp32: a flat read."""
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    offsets = tl.arange(0, BLOCK)
-    for block in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-        acc += tl.load(src_ptr + block * BLOCK + offsets).to(tl.float32)
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -195,7 +188,7 @@ def stream_runner(data: torch.Tensor, sms: int, per_sm: int, block: int, warps: 
     n_blocks = data.numel() // block
 
     def run() -> None:
-        _stream_sum_kernel[(programs,)](data, out, n_blocks, BLOCK=block, num_warps=warps)
+        stream_sum_kernel[(programs,)](data, out, n_blocks, BLOCK=block, num_warps=warps)
 
     run()
     check_stream(out, data)
@@ -291,9 +284,16 @@ def main() -> None:
     flush = torch.ones(L2_FLUSH_BYTES // 2, device="cuda", dtype=torch.bfloat16)
     time_in_rounds(variants, flush)
     rows = [row for row, _ in variants]
-    # the floor's own reading in this process, as the engine takes it (its own 12 launches)
-    harness = {"method": "copy (harness)", "bytes": 2 * 512 * 2**20}
-    rows.insert(0, harness | {"tb_per_s": hbm_bytes_per_s(0) / 1e12})
+    # the engine's readings in this process, as it takes them: its copy, and the floor's
+    # bandwidth (the larger of that copy and its read stream)
+    rows[:0] = [
+        {
+            "method": "copy (engine)",
+            "bytes": 2 * 512 * 2**20,
+            "tb_per_s": copy_bytes_per_s() / 1e12,
+        },
+        {"method": "floor (engine)", "bytes": 0, "tb_per_s": hbm_bytes_per_s() / 1e12},
+    ]
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -22,8 +22,9 @@ import torch
 from harness.evaluation import checkpoint as checkpoints
 from harness.evaluation import correctness as correctness_mod
 from harness.evaluation import decode_check
+from harness.evaluation.bandwidth import hbm_bytes_per_s
 from harness.evaluation.cases import Case
-from harness.evaluation.environment import REPO_ROOT, detect_host, fingerprint, hbm_bytes_per_s
+from harness.evaluation.environment import REPO_ROOT, detect_host, fingerprint
 from harness.evaluation.evidence import (
     CaseEvidence,
     CorrectnessEvidence,
@@ -529,7 +530,8 @@ def _bytes_moved(
 def hbm_fraction(
     bytes_moved: int | None, time_us: float, bytes_per_s: float | None
 ) -> float | None:
-    """Fraction of the measured copy bandwidth reached: HBM floor time over measured time."""
+    """Fraction of the measured HBM bandwidth reached (bandwidth.hbm_bytes_per_s): HBM floor
+    time over measured time."""
     if bytes_moved is None or bytes_per_s is None or time_us <= 0:
         return None
     return (bytes_moved / bytes_per_s) / (time_us * 1e-6)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import platform
@@ -126,21 +125,3 @@ def git_sha(directory: Path) -> str | None:
         return None
     sha = out.strip()
     return f"{sha}-dirty" if dirty else sha if re.fullmatch(r"[0-9a-f]{40}", sha) else None
-
-
-@functools.cache
-def hbm_bytes_per_s(device_index: int = 0) -> float:
-    """Measured device-to-device copy bandwidth (bytes read + written per second)."""
-    n = 512 * 2**20
-    src = torch.empty(n, dtype=torch.uint8, device=f"cuda:{device_index}").random_(0, 255)
-    dst = torch.empty_like(src)
-    times_ms = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times_ms.append(start.elapsed_time(end))
-    best_ms = sorted(times_ms[2:])[len(times_ms[2:]) // 2]
-    return 2 * n / (best_ms / 1000)

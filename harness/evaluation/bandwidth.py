@@ -1,0 +1,88 @@
+"""The HBM bandwidth a case's floor divides by (`engine.hbm_fraction`).
+
+The floor is the bytes a case must move over the fastest rate this GPU was measured to move
+bytes at: the larger of a read stream's (bytes read per second) and a device-to-device copy's
+(bytes read + written per second). The copy alone, which the engine used before 2026-12-04,
+understates an H200's read rate: in one process a copy read 3.93-4.24 TB/s where a plain read
+stream reached 4.42-4.57 (benchmarks/read_bandwidth.py, docs/benchmarks.md), so fractions of a
+read-bound case were up to 14% too generous. Both are timed the same way: a warm-up, then
+median of TIMED launches, each after reading a buffer larger than L2 (outside the timing), so
+that no launch finds its data, or dirty lines to write back, in L2.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+READ_BYTES = 2**30  # < 2**31 bf16 elements: the kernel's int32 offsets hold
+COPY_BYTES = 2**29  # copied, so twice that moved
+FLUSH_BYTES = 2**28  # several times any current GPU's L2
+STREAM_BLOCK = 8192  # bf16 elements a program sums per step
+STREAM_PROGRAMS_PER_SM = 4  # with STREAM_BLOCK: the fastest of 8 shapes on the H200
+WARM_UP, TIMED = 5, 12
+
+
+@triton.jit
+def stream_sum_kernel(src_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Each program sums blocks pid, pid + P, ... of `src` (bf16) in fp32: a flat read, whose
+    per-program sums let a caller check that every block was read once."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    offsets = tl.arange(0, BLOCK)
+    for block in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        acc += tl.load(src_ptr + block * BLOCK + offsets).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@functools.cache
+def hbm_bytes_per_s(device_index: int = 0) -> float:
+    """The floor's bandwidth on this GPU: max(read stream, copy), measured once per process."""
+    return max(read_bytes_per_s(device_index), copy_bytes_per_s(device_index))
+
+
+def read_bytes_per_s(device_index: int = 0) -> float:
+    """Bytes read per second by stream_sum_kernel over READ_BYTES."""
+    device = torch.device("cuda", device_index)
+    data = torch.ones(READ_BYTES // 2, dtype=torch.bfloat16, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = STREAM_PROGRAMS_PER_SM * sms
+    sums = torch.empty(programs, device=device)
+    n_blocks = data.numel() // STREAM_BLOCK
+
+    def read() -> None:
+        stream_sum_kernel[(programs,)](data, sums, n_blocks, BLOCK=STREAM_BLOCK, num_warps=8)
+
+    seconds = _median_seconds(read, device)
+    if sums.double().sum().item() != n_blocks * STREAM_BLOCK:  # all ones: every block once
+        raise RuntimeError("bandwidth: the read stream did not read every block once")
+    return READ_BYTES / seconds
+
+
+def copy_bytes_per_s(device_index: int = 0) -> float:
+    """Bytes read + written per second by a torch copy of COPY_BYTES."""
+    device = torch.device("cuda", device_index)
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    return 2 * COPY_BYTES / _median_seconds(lambda: dst.copy_(src), device)
+
+
+def _median_seconds(call: Callable[[], object], device: torch.device) -> float:
+    flush = torch.ones(FLUSH_BYTES // 2, dtype=torch.bfloat16, device=device)
+    times = []
+    with torch.cuda.device(device):  # the events, the launches and the flush on one GPU
+        for i in range(WARM_UP + TIMED):
+            flush.sum(dtype=torch.float32)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= WARM_UP:
+                times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)

@@ -5,7 +5,7 @@ bytes at: the larger of a read stream's (bytes read per second) and a device-to-
 (bytes read + written per second). The copy alone, which the engine used before 2026-12-04,
 understates an H200's read rate: in one process a copy read 3.93-4.24 TB/s where a plain read
 stream reached 4.42-4.57 (benchmarks/read_bandwidth.py, docs/benchmarks.md), so fractions of a
-read-bound case were up to 14% too generous. Both are timed the same way: a warm-up, then
+read-bound case were 9-13% too generous. Both are timed the same way: a warm-up, then
 median of TIMED launches, each after reading a buffer larger than L2 (outside the timing), so
 that no launch finds its data, or dirty lines to write back, in L2.
 """

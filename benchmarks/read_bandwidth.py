@@ -188,7 +188,7 @@ def stream_runner(data: torch.Tensor, sms: int, per_sm: int, block: int, warps: 
     n_blocks = data.numel() // block
 
     def run() -> None:
-        stream_sum_kernel[(programs,)](data, out, n_blocks, BLOCK=block, num_warps=warps)
+        stream_sum_kernel()[(programs,)](data, out, n_blocks, BLOCK=block, num_warps=warps)
 
     run()
     check_stream(out, data)

@@ -17,8 +17,6 @@ import statistics
 from collections.abc import Callable
 
 import torch
-import triton
-import triton.language as tl
 
 READ_BYTES = 2**30  # < 2**31 bf16 elements: the kernel's int32 offsets hold
 COPY_BYTES = 2**29  # copied, so twice that moved
@@ -28,15 +26,25 @@ STREAM_PROGRAMS_PER_SM = 4  # with STREAM_BLOCK: the fastest of 8 shapes on the 
 WARM_UP, TIMED = 5, 12
 
 
-@triton.jit
-def stream_sum_kernel(src_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Each program sums blocks pid, pid + P, ... of `src` (bf16) in fp32: a flat read, whose
-    per-program sums let a caller check that every block was read once."""
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    offsets = tl.arange(0, BLOCK)
-    for block in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-        acc += tl.load(src_ptr + block * BLOCK + offsets).to(tl.float32)
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+@functools.cache
+def stream_sum_kernel():  # type: ignore[no-untyped-def]
+    """The read stream: each program sums blocks pid, pid + P, ... of `src` (bf16) in fp32, a
+    flat read whose per-program sums let a caller check that every block was read once.
+    Built on first use, not at import: the engine imports this module before it turns on
+    Triton's interpreter for a CPU run, and triton.language imported before that breaks every
+    interpreted kernel (its own jit helpers, tl.sum among them, stay compiled-mode)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stream_sum(src_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        offsets = tl.arange(0, BLOCK)
+        for block in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            acc += tl.load(src_ptr + block * BLOCK + offsets).to(tl.float32)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+    return stream_sum
 
 
 @functools.cache
@@ -53,9 +61,10 @@ def read_bytes_per_s(device_index: int = 0) -> float:
     programs = STREAM_PROGRAMS_PER_SM * sms
     sums = torch.empty(programs, device=device)
     n_blocks = data.numel() // STREAM_BLOCK
+    kernel = stream_sum_kernel()
 
     def read() -> None:
-        stream_sum_kernel[(programs,)](data, sums, n_blocks, BLOCK=STREAM_BLOCK, num_warps=8)
+        kernel[(programs,)](data, sums, n_blocks, BLOCK=STREAM_BLOCK, num_warps=8)
 
     seconds = _median_seconds(read, device)
     if sums.double().sum().item() != n_blocks * STREAM_BLOCK:  # all ones: every block once

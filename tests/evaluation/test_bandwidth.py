@@ -5,6 +5,10 @@ a GPU (the `gpu` test)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,17 +16,33 @@ import torch
 from harness.evaluation import bandwidth
 from harness.evaluation.bandwidth import stream_sum_kernel
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 @pytest.mark.parametrize("programs", [1, 3, 8])
 def test_the_stream_sums_every_block_once(programs: int) -> None:
     data = torch.randn(16 * 64, dtype=torch.bfloat16)
     sums = torch.empty(programs)
-    stream_sum_kernel[(programs,)](data, sums, 16, BLOCK=64)
+    stream_sum_kernel()[(programs,)](data, sums, 16, BLOCK=64)
     assert sums.double().sum().item() == pytest.approx(data.double().sum().item(), abs=1e-3)
     # each program sums its own blocks: program p has blocks p, p + programs, ...
     blocks = data.float().view(16, 64).sum(1)
     for p in range(programs):
         assert sums[p].item() == pytest.approx(blocks[p::programs].sum().item(), abs=1e-3)
+
+
+def test_importing_the_engine_leaves_triton_unimported() -> None:
+    """The engine turns Triton's interpreter on for a CPU run after it is imported; a
+    triton.language imported before that leaves its own jit helpers in compiled mode, and every
+    interpreted kernel that calls tl.sum then fails (the honest Triton submission did)."""
+    code = (
+        "import sys; import harness.evaluation.engine, harness.cli; print('triton' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=REPO
+    )
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize(("read", "copy"), [(4.5e12, 4.2e12), (3.0e12, 4.2e12)])

@@ -80,7 +80,7 @@ TILE_VARIANTS = [
 
 @triton.jit
 def _tiles_kernel(
-    w_ptr,
+    w,
     h_ptr,
     out_ptr,
     n_tiles,
@@ -89,53 +89,28 @@ def _tiles_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
-    PACKED: tl.constexpr = False,
+    LAYOUT: tl.constexpr = "rows",
 ):
     """Each program takes tiles pid, pid + P, ...: (BLOCK_R rows of w) @ h.T over all of D, a
-    K step at a time, as the MoE's gate_up kernel reads an expert's feature block. PACKED: w
-    holds each (tile, K step) block contiguously (pack_tiles), so a step reads one run of
-    BLOCK_R x BLOCK_K elements instead of BLOCK_R rows' slices."""
+    K step at a time, as the MoE's gate_up kernel reads an expert's feature block. LAYOUT
+    "rows": w points at the (R, D) matrix; "packed": at the same elements with each (tile, K
+    step) block contiguous (pack_tiles), so a step reads one run of BLOCK_R x BLOCK_K elements;
+    "tma": w is a TMA descriptor of the matrix with (BLOCK_R, BLOCK_K) blocks."""
     m, r = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_R)
     total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        rows = tile * BLOCK_R + r
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for first in range(0, D, BLOCK_K):
             ks = first + tl.arange(0, BLOCK_K)
             h = tl.load(h_ptr + m[:, None] * D + ks[None, :])
-            if PACKED:
-                block = w_ptr + (tile * (D // BLOCK_K) + first // BLOCK_K) * BLOCK_R * BLOCK_K
-                w = tl.load(block + r[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
+            if LAYOUT == "tma":
+                tile_k = w.load([tile * BLOCK_R, first])
+            elif LAYOUT == "packed":
+                block = w + (tile * (D // BLOCK_K) + first // BLOCK_K) * BLOCK_R * BLOCK_K
+                tile_k = tl.load(block + r[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
             else:
-                w = tl.load(w_ptr + rows[:, None] * D + ks[None, :])
-            acc = mma(h, tl.trans(w), acc, DOT_F32)
-        total += acc
-    out_at = out_ptr + tl.program_id(0) * BLOCK_M * BLOCK_R + m[:, None] * BLOCK_R + r[None, :]
-    tl.store(out_at, total)
-
-
-@triton.jit
-def _tiles_tma_kernel(
-    w_desc,
-    h_ptr,
-    out_ptr,
-    n_tiles,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """_tiles_kernel with the weight tiles loaded by TMA (a host tensor descriptor)."""
-    m, r = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_R)
-    total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for first in range(0, D, BLOCK_K):
-            ks = first + tl.arange(0, BLOCK_K)
-            h = tl.load(h_ptr + m[:, None] * D + ks[None, :])
-            w = w_desc.load([tile * BLOCK_R, first])
-            acc = mma(h, tl.trans(w), acc, DOT_F32)
+                tile_k = tl.load(w + (tile * BLOCK_R + r)[:, None] * D + ks[None, :])
+            acc = mma(h, tl.trans(tile_k), acc, DOT_F32)
         total += acc
     out_at = out_ptr + tl.program_id(0) * BLOCK_M * BLOCK_R + m[:, None] * BLOCK_R + r[None, :]
     tl.store(out_at, total)
@@ -197,7 +172,7 @@ def stream_runner(data: torch.Tensor, sms: int, per_sm: int, block: int, warps: 
 
 def pack_tiles(weights: torch.Tensor, tile_rows: int, k_step: int) -> torch.Tensor:
     """(R, D) -> the same elements with each (tile, K step) block contiguous, in tile-major,
-    then K-step order: what _tiles_kernel reads with PACKED."""
+    then K-step order: what _tiles_kernel reads with LAYOUT "packed"."""
     rows, hidden = weights.shape
     blocks = weights.view(rows // tile_rows, tile_rows, hidden // k_step, k_step)
     return blocks.permute(0, 2, 1, 3).contiguous()
@@ -210,19 +185,17 @@ def tile_runner(
     tokens = torch.randn(TOKEN_ROWS, HIDDEN, device=weights.device, dtype=torch.bfloat16)
     out = torch.empty(programs, TOKEN_ROWS, TILE_ROWS, device=weights.device)
     n_tiles = weights.shape[0] // TILE_ROWS
-    launch: dict[str, object] = {"num_warps": warps, "num_stages": stages}
+    launch: dict[str, object] = {"num_warps": warps, "num_stages": stages, "LAYOUT": layout}
+    source: object = weights
     if layout == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         source = TensorDescriptor.from_tensor(weights, [TILE_ROWS, k_step])
-        kernel = _tiles_tma_kernel
-    else:
-        source, kernel = weights, _tiles_kernel
-    if layout == "packed":
-        source, launch["PACKED"] = pack_tiles(weights, TILE_ROWS, k_step), True
+    elif layout == "packed":
+        source = pack_tiles(weights, TILE_ROWS, k_step)
 
     def run() -> None:
-        kernel[(programs,)](
+        _tiles_kernel[(programs,)](
             source, tokens, out, n_tiles, HIDDEN, TOKEN_ROWS, TILE_ROWS, k_step, False, **launch
         )
 

@@ -23,8 +23,9 @@ def test_the_tiles_multiply_every_tile_once(programs: int, packed: bool) -> None
     tokens = torch.randn(token_rows, hidden, dtype=torch.bfloat16)
     out = torch.empty(programs, token_rows, tile_rows)
     source = pack_tiles(weights, tile_rows, 32) if packed else weights
+    layout = "packed" if packed else "rows"
     _tiles_kernel[(programs,)](
-        source, tokens, out, 5, hidden, token_rows, tile_rows, 32, True, PACKED=packed
+        source, tokens, out, 5, hidden, token_rows, tile_rows, 32, True, LAYOUT=layout
     )
     check_tiles(out, tokens, weights)
     with pytest.raises(AssertionError):  # the check sees a tile left out

@@ -17,7 +17,8 @@ one MMA against a 16-row token tile) costs anything against a flat stream:
 - `tiles`: the gate_up's pattern (pointer loads, software-pipelined), by programs / K step /
   stages;
 - `tiles_packed`: the same with the weights stored so that each K step's tile is contiguous;
-- `tiles_tma`: the same with the weight tiles loaded through a TMA tensor descriptor.
+- `tiles_tma`: the same with the weight tiles loaded through a TMA tensor descriptor;
+- `tiles_waves`: `tiles` over fewer tiles, one program each or persistent (WAVE_VARIANTS).
 
 Each variant is compiled and checked (its kernel must read every byte it is credited with),
 then timed once per round for ROUNDS rounds, every variant in each round, so that a drift of
@@ -65,6 +66,11 @@ STREAM_VARIANTS = [
     (8, 4096, 4),
     (4, 16384, 8),
 ]
+# Waves: (tiles, programs), K steps of 128, 4 stages, 4 warps. The MoE's gate_up launches one
+# program per work item, about 480 items of 64 rows at batch 8, of which about 396 fit on the
+# H200 at once (64 KB of shared memory each): a full wave and a partial one. Against whole
+# waves and a persistent grid, this prices the partial wave.
+WAVE_VARIANTS = [(480, 480), (396, 396), (792, 792), (480, 396), (1152, 396)]
 # (programs per SM, K step, stages, warps): the plan at batch 8 is about (2, 128, 4, 4)
 TILE_VARIANTS = [
     (2, 128, 4, 4),
@@ -181,7 +187,17 @@ def pack_tiles(weights: torch.Tensor, tile_rows: int, k_step: int) -> torch.Tens
 def tile_runner(
     weights: torch.Tensor, sms: int, per_sm: int, k_step: int, stages: int, warps: int, layout: str
 ) -> Runner:
-    programs = sms * per_sm
+    return tiles_runner(weights, sms * per_sm, k_step, stages, warps, layout)
+
+
+def wave_runner(weights: torch.Tensor, tiles: int, programs: int) -> Runner:
+    fields, run = tiles_runner(weights[: tiles * TILE_ROWS], programs, 128, 4, 4, "rows")
+    return {"tiles": tiles} | fields, run
+
+
+def tiles_runner(
+    weights: torch.Tensor, programs: int, k_step: int, stages: int, warps: int, layout: str
+) -> Runner:
     tokens = torch.randn(TOKEN_ROWS, HIDDEN, device=weights.device, dtype=torch.bfloat16)
     out = torch.empty(programs, TOKEN_ROWS, TILE_ROWS, device=weights.device)
     n_tiles = weights.shape[0] // TILE_ROWS
@@ -254,6 +270,9 @@ def main() -> None:
         name = "tiles" if layout == "rows" else f"tiles_{layout}"
         for v in TILE_VARIANTS:
             variants.append(build(name, weights.numel() * 2, tile_runner, weights, sms, *v, layout))
+    for tiles, programs in WAVE_VARIANTS:
+        nbytes = tiles * TILE_ROWS * HIDDEN * 2
+        variants.append(build("tiles_waves", nbytes, wave_runner, weights, tiles, programs))
     flush = torch.ones(L2_FLUSH_BYTES // 2, device="cuda", dtype=torch.bfloat16)
     time_in_rounds(variants, flush)
     rows = [row for row, _ in variants]
@@ -284,6 +303,8 @@ def print_table(rows: list[dict]) -> None:
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         shape = row.get("block", row.get("k_step", ""))
+        if "tiles" in row:
+            shape = f"{row['tiles']} tiles"
         if "tb_per_s_range" in row:
             low, high = row["tb_per_s_range"]
             rate, spread = f"{row['tb_per_s']:.3f}", f"{low:.2f}-{high:.2f}"

@@ -653,6 +653,13 @@ MOE_TILES_SMALL = [
     (32, 128, 32, 256, 4, 4),
     (32, 128, 16, 256, 4, 4),
     (32, 128, 16, 128, 4, 4, 1, 2),
+    # waves: 4 stages of (64 + 16) x 128 bf16 leave 2 gate_up programs per SM, and about 480
+    # items at batch 8 then run as 1.8 waves; read_bandwidth.py's tiles_waves read 3.59 TB/s
+    # for 480 such tiles one program each against 4.34 for 1152 on a persistent grid. 3 stages
+    # (3 per SM), and persistent grids of 264 and 396
+    (32, 128, 32, 128, 4, 3),
+    (32, 128, 32, 128, 4, 3, 1, 1, 396),
+    (32, 128, 32, 128, 4, 4, 1, 1, 264),
 ]
 # Above batch 16 the 2026-12-03 sweeps (docs/runs/2026-12-03-worklist/moe.json) had the plan
 # within 2% of every other gate_up tiling, and narrower down programs 38% slower. The ninth

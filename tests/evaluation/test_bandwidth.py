@@ -58,6 +58,20 @@ def test_the_floor_takes_the_faster_reading(
         bandwidth.hbm_bytes_per_s.cache_clear()
 
 
+def test_a_failed_read_leaves_the_copy_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_triton(index: int = 0) -> float:
+        raise RuntimeError("no Triton for this GPU")
+
+    monkeypatch.setattr(bandwidth, "read_bytes_per_s", no_triton)
+    monkeypatch.setattr(bandwidth, "copy_bytes_per_s", lambda index=0: 4.2e12)
+    bandwidth.hbm_bytes_per_s.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="copy alone"):
+            assert bandwidth.hbm_bytes_per_s(0) == 4.2e12
+    finally:
+        bandwidth.hbm_bytes_per_s.cache_clear()
+
+
 @pytest.mark.gpu
 def test_the_readings_on_this_gpu() -> None:
     """Both readings are real rates (the read also checked that it read every block), and the

@@ -87,7 +87,7 @@ def main() -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     problem = Problem(SMALL_CONFIG if args.small else {})
     copy_bw, read_bw = _bandwidths(device)
-    bandwidths = f"copy {copy_bw / 1e12:.3f} TB/s (read + write), read {read_bw / 1e12:.3f} TB/s"
+    bandwidths = f"copy {copy_bw / 1e12:.3f} TB/s (read + write), floor {read_bw / 1e12:.3f} TB/s"
     print(f"{_device_name(device)}: {bandwidths}; {args.layers} layers", flush=True)
     weights = [problem.make_weights(_case(1, 1), seed, device) for seed in range(args.layers)]
     rows = []
@@ -233,11 +233,12 @@ def _top_kernels(
 
 
 def _bandwidths(device: torch.device) -> tuple[float, float]:
-    """(copy bytes read + written per second, read-only bytes per second): on the GPU the
-    engine's readings (harness.evaluation.bandwidth), on the CPU a copy and a sum."""
+    """(copy bytes read + written per second, the floor's bytes per second): on the GPU the
+    engine's copy reading and its floor bandwidth (harness.evaluation.bandwidth), on the CPU a
+    copy and a sum."""
     if device.type == "cuda":
         index = device.index or 0
-        return bandwidth.copy_bytes_per_s(index), bandwidth.read_bytes_per_s(index)
+        return bandwidth.copy_bytes_per_s(index), bandwidth.hbm_bytes_per_s(index)
     src = torch.ones(2**24, dtype=torch.float32)
     dst = torch.empty_like(src)
     copy_s = _best_seconds(lambda: dst.copy_(src), device)
@@ -306,6 +307,7 @@ def _write_json(
         "pairs": args.pairs,
         "copy_bytes_per_s": copy_bw,
         "read_bytes_per_s": read_bw,
+        # read_bytes_per_s: on the GPU the engine's floor bandwidth (bandwidth.hbm_bytes_per_s)
         "floor_bandwidth": "max(copy_bytes_per_s, read_bytes_per_s)",
         "rows": [asdict(row) for row in rows],
     }

@@ -67,8 +67,8 @@ STREAM_VARIANTS = [
     (4, 16384, 8),
 ]
 # Waves: (tiles, programs), K steps of 128, 4 stages, 4 warps. The MoE's gate_up launches one
-# program per work item, about 480 items of 64 rows at batch 8, of which about 396 fit on the
-# H200 at once (64 KB of shared memory each): a full wave and a partial one. Against whole
+# program per work item, about 480 items of 64 rows at batch 8, of which 2-3 per SM fit at once
+# (60-80 KB of shared memory each): a full wave and a partial one. Against whole
 # waves and a persistent grid, this prices the partial wave.
 WAVE_VARIANTS = [(480, 480), (396, 396), (792, 792), (480, 396), (1152, 396)]
 # (programs per SM, K step, stages, warps): the plan at batch 8 is about (2, 128, 4, 4)
@@ -152,8 +152,8 @@ Runner = tuple[dict[str, object], Callable[[], object]]  # (the variant's fields
 
 
 def copy_runner() -> Runner:
-    """The harness's measurement (environment.hbm_bytes_per_s): 512 MiB copied, read + written
-    bytes counted."""
+    """The engine's copy reading's method (bandwidth.copy_bytes_per_s): 512 MiB copied, read +
+    written bytes counted."""
     src = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
     return {}, lambda: dst.copy_(src)

@@ -22,7 +22,7 @@ import torch
 from harness.evaluation import checkpoint as checkpoints
 from harness.evaluation import correctness as correctness_mod
 from harness.evaluation import decode_check
-from harness.evaluation.bandwidth import hbm_bytes_per_s
+from harness.evaluation.bandwidth import floor_warnings, hbm_bytes_per_s
 from harness.evaluation.cases import Case
 from harness.evaluation.environment import REPO_ROOT, detect_host, fingerprint
 from harness.evaluation.evidence import (
@@ -148,7 +148,7 @@ def evaluate(
         cases=run.cases,
         probes=run.probes,
         tampering=run.tampering,
-        warnings=run.warnings,
+        warnings=run.warnings + floor_warnings(),
         decode_check=run.decode_check,
         claims=claims,
         notes=notes,
@@ -199,7 +199,7 @@ class RunResults:
     cases: list[CaseEvidence] = field(default_factory=list)
     probes: list[ProbeEvidence] = field(default_factory=list)
     tampering: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # the static pre-screen's findings
+    warnings: list[str] = field(default_factory=list)  # the static pre-screen's findings, ...
     decode_check: DecodeCheckEvidence | None = None
 
 
@@ -220,7 +220,7 @@ def _run_path(
     except EntryPointError as exc:
         crashed = Crashed(f"loading the path: {exc}")
         return RunResults(cases=[_case_evidence(c, crashed) for c in plan.cases])
-    run = RunResults(warnings=[str(f) for f in screen_entry_points(manifest)])
+    run = RunResults(warnings=[f"pre-screen: {f}" for f in screen_entry_points(manifest)])
     if _tampered(snapshot, "importing the path", run):
         return run
     _run_plan(path, plan, manifest, host, secret_seed, options, progress, record, run, snapshot)

@@ -212,6 +212,7 @@ def warnings(evidence: Evidence) -> list[str]:
             f"(largest {speedup:.3g}x at {top.id}); check the stock path is the real baseline."
         )
     found += _hbm_warnings(timed)
+    found += evidence.warnings  # the run's own: the pre-screen's findings, a floor fallback
     cached = [c for c in timed if c.performance and not c.performance.exceeds_l2]
     if cached and timed and cached[0].performance and cached[0].performance.is_gpu_evidence:
         found.append(

@@ -72,6 +72,22 @@ def test_implausible_speedup_and_l2_sized_working_set_are_warned_about() -> None
     assert "fits in L2" in warnings
 
 
+def test_the_runs_own_warnings_reach_the_report() -> None:
+    """The pre-screen's findings and a floor fallback are in the evidence for the reviewer:
+    the report must show them (before 2026-12-04 it did not)."""
+    evidence = load("h200_rmsnorm").model_copy(
+        update={
+            "warnings": [
+                "pre-screen: fused.py:3: opens a network connection: socket.socket()",
+                "HBM floor from the copy alone on cuda:0: the read stream failed (no Triton)",
+            ]
+        }
+    )
+    warnings = render_markdown(evidence).split("## Warnings", 1)[1].split("\n## ", 1)[0]
+    assert "pre-screen: fused.py:3: opens a network connection" in warnings
+    assert "HBM floor from the copy alone" in warnings
+
+
 def test_a_candidate_faster_than_hbm_allows_is_warned_about() -> None:
     evidence = load("h200_rmsnorm")
     case = evidence.cases[-1]

@@ -45,14 +45,19 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.evaluation.bandwidth import copy_bytes_per_s, hbm_bytes_per_s, stream_sum_kernel
+from harness.evaluation.bandwidth import (
+    FLUSH_BYTES,
+    copy_bytes_per_s,
+    flushed_seconds,
+    hbm_bytes_per_s,
+    stream_sum_kernel,
+)
 from kernels.mla_moe_decode.triton_common import mma
 
 READ_BYTES = 2**30  # < 2**31 elements: int32 offsets hold
 HIDDEN = 7168  # the layer's hidden dim: one weight row
 TILE_ROWS = 64  # a gate_up program's weight rows (32 features x [gate, up])
 TOKEN_ROWS = 16  # the MMA's least M: batch 8 padded
-L2_FLUSH_BYTES = 2**28  # read before every timed launch: 5x the H200's 50 MB of L2
 ROUNDS = 50  # each times every variant once (after its compile-and-check launch)
 
 # (programs per SM, elements per block, warps)
@@ -120,18 +125,6 @@ def _tiles_kernel(
         total += acc
     out_at = out_ptr + tl.program_id(0) * BLOCK_M * BLOCK_R + m[:, None] * BLOCK_R + r[None, :]
     tl.store(out_at, total)
-
-
-def seconds_once(call: Callable[[], object], flush: torch.Tensor) -> float:
-    """One event-timed call, after reading `flush` (larger than L2, outside the timing): no
-    variant finds in L2 what the one before it read, nor dirty lines of its own to write back."""
-    flush.sum(dtype=torch.float32)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def check_stream(sums: torch.Tensor, data: torch.Tensor) -> None:
@@ -241,7 +234,7 @@ def time_in_rounds(variants: list[Runner], flush: torch.Tensor) -> None:
     seconds: list[list[float]] = [[] for _ in live]
     for _ in range(ROUNDS):
         for times, (_, run) in zip(seconds, live, strict=True):
-            times.append(seconds_once(run, flush))
+            times.append(flushed_seconds(run, flush))
     for times, (row, _) in zip(seconds, live, strict=True):
         nbytes = float(row["bytes"])  # type: ignore[arg-type]
         row["seconds"] = statistics.median(times)
@@ -273,7 +266,7 @@ def main() -> None:
     for tiles, programs in WAVE_VARIANTS:
         nbytes = tiles * TILE_ROWS * HIDDEN * 2
         variants.append(build("tiles_waves", nbytes, wave_runner, weights, tiles, programs))
-    flush = torch.ones(L2_FLUSH_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    flush = torch.ones(FLUSH_BYTES // 2, device="cuda", dtype=torch.bfloat16)
     time_in_rounds(variants, flush)
     rows = [row for row, _ in variants]
     # the engine's readings in this process, as it takes them: its copy, and the floor's

@@ -107,16 +107,19 @@ def copy_bytes_per_s(device_index: int = 0) -> float:
 
 def _median_seconds(call: Callable[[], object], device: torch.device) -> float:
     flush = torch.ones(FLUSH_BYTES // 2, dtype=torch.bfloat16, device=device)
-    times = []
     with torch.cuda.device(device):  # the events, the launches and the flush on one GPU
-        for i in range(WARM_UP + TIMED):
-            flush.sum(dtype=torch.float32)
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            torch.cuda.synchronize()
-            if i >= WARM_UP:
-                times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+        times = [flushed_seconds(call, flush) for _ in range(WARM_UP + TIMED)]
+    return statistics.median(times[WARM_UP:])
+
+
+def flushed_seconds(call: Callable[[], object], flush: torch.Tensor) -> float:
+    """One event-timed call on the current GPU, after reading `flush` (larger than L2, outside
+    the timing): the call finds neither its data nor dirty lines to write back in L2."""
+    flush.sum(dtype=torch.float32)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3

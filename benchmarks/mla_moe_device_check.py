@@ -622,44 +622,31 @@ def _soft_kernel(
 # (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages[, gate_up_splits,
 # down_splits[, gate_up_programs[, shared_splits]]]): MoeBlocks' fields after block_m, which
 # follows the batch
-# The 2026-12-03 sweep (docs/mla_moe_notes.md): wider gate_up programs won at batch 1, and
-# every split-K variant lost (111-274 µs at batch 1 against 90 unsplit), so one is kept as a check.
+# Earlier sweeps' variants and what they showed are in docs/mla_moe_notes.md and the JSONs named
+# there (2026-12-03: wider gate_up programs won at batch 1, split K lost 111-274 µs against 90;
+# 2026-12-04: the shared expert split 4-28 ways, the down kernel's shape, 3 stages); the list
+# keeps the plan, the closest of them, and the seventeenth session's question, the gate_up's grid.
+# 4 stages of (64 + 16) x 128 bf16 leave 2-3 gate_up programs per SM, and about 480 items at
+# batch 8 then run as a full wave and a partial one (read_bandwidth.py's tiles_waves: 3.59 TB/s
+# for 480 such tiles one program each, 4.34 for 1152 looped over by 396). A capped grid loops
+# over the items: 132 / 198 / 264 / 330 are 1 / 1.5 / 2 / 2.5 programs per H200 SM.
 MOE_TILES_SMALL = [
     (32, 128, 32, 128, 4, 4),  # the plan for batch 5-16 (at <= 4 with shared splits 14)
-    (16, 128, 32, 128, 4, 4),
+    (32, 128, 32, 128, 4, 4, 1, 1, 0, 14),  # the plan at batch <= 4
     (16, 128, 32, 128, 4, 6),
-    (8, 128, 32, 128, 4, 4),
-    (16, 128, 16, 128, 4, 4),
     (64, 128, 32, 128, 4, 4),
-    (32, 128, 32, 128, 8, 4),
-    (32, 256, 32, 128, 4, 3),
-    # (..., gate_up splits, down splits, at most this many gate_up programs)
-    (32, 128, 32, 128, 4, 4, 1, 1, 132),
-    (16, 128, 32, 128, 4, 4, 1, 1, 132),
-    (16, 128, 32, 128, 4, 4, 1, 1, 264),
-    (32, 128, 32, 128, 4, 4, 2, 1),  # the gate_up's hidden dim split over 2 programs
-    # the shared expert's 8 tiles split over K alone: 4, 7, 14, 28 programs each (at batch 1
-    # with no local expert chosen, its 8 unsplit programs ran at 436 GB/s)
-    (32, 128, 32, 128, 4, 4, 1, 1, 0, 4),
-    (32, 128, 32, 128, 4, 4, 1, 1, 0, 7),
-    (32, 128, 32, 128, 4, 4, 1, 1, 0, 14),
-    (32, 128, 32, 128, 4, 4, 1, 1, 0, 28),
-    # the down kernel alone (2026-12-04, sixteenth session): its 224 programs of 32 outputs
-    # (1.7 per SM) read about 10% slower per byte than the gate_up's in the batch-8 profile;
-    # more or deeper programs: 16 outputs (448), its K split over 2 or 4, K steps of 256
-    (32, 128, 16, 128, 4, 4),
+    (32, 128, 32, 256, 4, 4),  # down K steps of 256: 1-2.5% faster at batch 8 and 16
     (32, 128, 32, 128, 4, 4, 1, 2),
-    (32, 128, 32, 128, 4, 4, 1, 4),
-    (32, 128, 32, 256, 4, 4),
-    (32, 128, 16, 256, 4, 4),
-    (32, 128, 16, 128, 4, 4, 1, 2),
-    # waves: 4 stages of (64 + 16) x 128 bf16 leave 2-3 gate_up programs per SM, and about 480
-    # items at batch 8 then run as a full wave and a partial one (read_bandwidth.py's
-    # tiles_waves: 3.59 TB/s for 480 such tiles one program each, 4.34 for 1152 looped over by
-    # 396). 3 stages, and grids capped at 264 and 396 programs that loop over the items
-    (32, 128, 32, 128, 4, 3),
-    (32, 128, 32, 128, 4, 3, 1, 1, 396),
+    # (..., gate_up splits, down splits, at most this many gate_up programs[, shared splits])
+    (32, 128, 32, 128, 4, 4, 1, 1, 198),
     (32, 128, 32, 128, 4, 4, 1, 1, 264),
+    (32, 128, 32, 128, 4, 4, 1, 1, 330),
+    (32, 128, 32, 128, 4, 4, 1, 1, 264, 14),
+    (32, 128, 32, 256, 4, 4, 1, 1, 264),
+    (32, 128, 32, 128, 4, 4, 1, 2, 264),
+    (16, 128, 32, 128, 4, 6, 1, 1, 396),  # 3 per SM
+    (64, 128, 32, 128, 4, 4, 1, 1, 132),  # 1 per SM (4 stages of (128 + 16) x 128)
+    (64, 128, 32, 128, 4, 3, 1, 1, 264),
 ]
 # Above batch 16 the 2026-12-03 sweeps (docs/runs/2026-12-03-worklist/moe.json) had the plan
 # within 2% of every other gate_up tiling, and narrower down programs 38% slower. The ninth
@@ -672,11 +659,14 @@ MOE_TILES_LARGE = [
     (32, 128, 32, 128, 4, 3),  # the plan for batch > 16
     (32, 128, 32, 128, 4, 4),
     (32, 128, 32, 128, 4, 3, 1, 2),
-    (32, 128, 32, 128, 4, 4, 1, 2),
-    (32, 128, 32, 128, 4, 3, 1, 4),
-    (32, 128, 32, 128, 8, 3, 1, 2),
     (32, 128, 32, 256, 4, 3),
-    (32, 128, 32, 64, 4, 4),
+    # the gate_up's grid capped (about 3000 items at batch 64), as for the small batches
+    (32, 128, 32, 128, 4, 3, 1, 1, 264),
+    (32, 128, 32, 128, 4, 3, 1, 1, 396),
+    (32, 128, 32, 128, 4, 4, 1, 1, 264),
+    (32, 128, 32, 256, 4, 3, 1, 1, 396),
+    (32, 128, 32, 256, 4, 4, 1, 1, 264),
+    (64, 128, 32, 128, 4, 3, 1, 1, 264),
 ]
 
 

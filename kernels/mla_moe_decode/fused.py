@@ -236,7 +236,7 @@ def layer_plan(
         o_proj=gemv(c.hidden, c.heads * c.v_head_dim),
         router=gemv(c.experts_total, c.hidden),
         attention=_attention_blocks(c, batch, context, on_gpu, sm_count),
-        moe=_moe_blocks(batch, on_gpu),
+        moe=_moe_blocks(batch, on_gpu, sm_count),
     )
 
 
@@ -293,7 +293,7 @@ def _attention_blocks(
     )  # fmt: skip
 
 
-def _moe_blocks(batch: int, on_gpu: bool) -> MoeBlocks:
+def _moe_blocks(batch: int, on_gpu: bool, sm_count: int) -> MoeBlocks:
     block_m = max(16, triton.next_power_of_2(batch))
     if not on_gpu:
         return MoeBlocks(block_m, 64, 128, 128, 64, num_warps=4, num_stages=1)
@@ -307,16 +307,26 @@ def _moe_blocks(batch: int, on_gpu: bool) -> MoeBlocks:
     # eight at batch 2) its tiles are the whole gate_up kernel, and unsplit they ran 8 programs
     # of 917 KB each: the MoE at batch 1 took 24.7 µs (445 GB/s), split 14 ways 10.6, and with
     # local experts chosen the same as unsplit (2026-12-04 sweep of 4-28 splits,
-    # docs/runs/2026-12-04-shared-split/). Batch 8 was within 2% either way: unsplit.
+    # docs/runs/2026-12-04-shared-split/).
+    if batch <= 4:
+        return MoeBlocks(block_m, 32, 128, 32, 128, num_warps=4, num_stages=4, shared_splits=14)
+    # Batch 5-16: 4 stages leave 2-3 gate_up programs per SM, and one program per item ran the
+    # ~480 items of batch 8 as a wave and a part of one; a grid of 2 programs per SM that loop
+    # over the items, and down K steps of 256: 116.9 / 161.2 / 260.6 / 319.4 µs at batch 5 / 8
+    # / 12 / 16 against 120.6 / 167.1 / 268.8 / 326.0 (2026-12-04 seventeenth session's sweep,
+    # docs/runs/2026-12-04-seventeenth/; two rounds within 1%). At batch 4 and below within 1%.
     if batch <= 16:
-        shared_splits = 14 if batch <= 4 else 1
         return MoeBlocks(
-            block_m, 32, 128, 32, 128, num_warps=4, num_stages=4, shared_splits=shared_splits
+            block_m, 32, 128, 32, 256, num_warps=4, num_stages=4, gate_up_programs=2 * sm_count
         )
     # Batch > 16: 32 features per gate_up program and 32 outputs per down program halve how
     # often the token tile is reloaded per weight byte: 860 µs at batch 64 (3.85 TB/s) against
-    # 1219 µs for (16, 128, 16, 128).
-    return MoeBlocks(block_m, 32, 128, 32, 128, num_warps=4, num_stages=3)
+    # 1219 µs for (16, 128, 16, 128). Down K steps of 256 while the token tile is at most 32
+    # rows: 519.8 µs at batch 32 against 542.8; at 64 rows (batch 33-64) 3 stages of them fit
+    # one down program per SM, and batch 64 took 932.6 against 861.6. A capped gate_up grid
+    # was within 0.3% at 64 (the seventeenth session's sweep).
+    down_k = 256 if block_m <= 32 else 128
+    return MoeBlocks(block_m, 32, 128, 32, down_k, num_warps=4, num_stages=3)
 
 
 @functools.lru_cache(maxsize=16)

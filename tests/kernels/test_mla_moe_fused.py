@@ -768,7 +768,7 @@ def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(
         local = local + c.experts
     ids = (local[None, :].repeat(batch, 1) + c.expert_offset).int()  # the same for every token
     routing = torch.rand(batch, ids.shape[1], generator=gen, device="cuda") / 4
-    plain = dataclasses.replace(fused._moe_blocks(batch, True), shared_splits=1)
+    plain = dataclasses.replace(fused._moe_blocks(batch, True, 132), shared_splits=1)
     split = dataclasses.replace(plain, gate_up_splits=4, down_splits=4, shared_splits=7)
     unsplit_out = torch.empty_like(h)
     fused_moe(h, ids, routing, *experts, unsplit_out, c.expert_offset, plain)
@@ -809,7 +809,7 @@ def test_capped_gate_up_grid_gives_the_same_bits_as_one_program_per_item(batch: 
     if not local.any():  # at least one local expert, at batch 1 too (never a repeated id)
         ids[0, 0] = c.expert_offset + 5
     routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
-    plain = dataclasses.replace(fused._moe_blocks(batch, True), gate_up_programs=0)
+    plain = dataclasses.replace(fused._moe_blocks(batch, True, 132), gate_up_programs=0)
     outs = []
     for blocks in (plain, dataclasses.replace(plain, gate_up_programs=7)):
         out = torch.empty_like(h)

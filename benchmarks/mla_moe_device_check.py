@@ -620,8 +620,8 @@ def _soft_kernel(
 # --sweep-moe: the MoE kernels' tiles, timed as part 1 times them.
 
 # (gate_up_cols, gate_up_k, down_cols, down_k, num_warps, num_stages[, gate_up_splits,
-# down_splits[, gate_up_programs[, shared_splits]]]): MoeBlocks' fields after block_m, which
-# follows the batch
+# down_splits[, gate_up_programs[, shared_splits[, token_rows]]]]): MoeBlocks' fields after
+# block_m, which follows the batch
 # Earlier sweeps' variants and what they showed are in docs/mla_moe_notes.md and the JSONs named
 # there (2026-12-03: wider gate_up programs won at batch 1, split K lost 111-274 µs against 90;
 # 2026-12-04: the shared expert split 4-28 ways, the down kernel's shape, 3 stages); the list
@@ -657,16 +657,22 @@ MOE_TILES_SMALL = [
 # (expert, K step): 28-39% slower at batch 8-64 and removed (docs/mla_moe_notes.md).
 MOE_TILES_LARGE = [
     (32, 128, 32, 128, 4, 3),  # the plan for batch > 16
-    (32, 128, 32, 128, 4, 4),
-    (32, 128, 32, 128, 4, 3, 1, 2),
-    (32, 128, 32, 256, 4, 3),
-    # the gate_up's grid capped (about 3000 items at batch 64), as for the small batches
+    (32, 128, 32, 256, 4, 3),  # the plan at batch 17-32
     (32, 128, 32, 128, 4, 3, 1, 1, 264),
-    (32, 128, 32, 128, 4, 3, 1, 1, 396),
-    (32, 128, 32, 128, 4, 4, 1, 1, 264),
-    (32, 128, 32, 256, 4, 3, 1, 1, 396),
-    (32, 128, 32, 256, 4, 4, 1, 1, 264),
-    (64, 128, 32, 128, 4, 3, 1, 1, 264),
+    # each expert's tokens gathered into tiles of 16 or 32 rows (token_rows): at batch 64 a
+    # local expert has one or two tokens, and the 64-row tile held the rest masked, in shared
+    # memory (3 stages of (64 + 64) x 128 for the gate_up) and in the MMA
+    (32, 128, 32, 128, 4, 3, 1, 1, 0, 1, 16),
+    (32, 128, 32, 128, 4, 4, 1, 1, 0, 1, 16),
+    (32, 128, 32, 128, 4, 4, 1, 1, 264, 1, 16),
+    (32, 128, 32, 256, 4, 4, 1, 1, 264, 1, 16),
+    (32, 128, 32, 256, 4, 4, 1, 1, 0, 1, 16),
+    (32, 128, 32, 128, 4, 4, 1, 2, 264, 1, 16),
+    (32, 128, 16, 128, 4, 4, 1, 1, 264, 1, 16),
+    (32, 128, 32, 128, 4, 4, 1, 1, 264, 1, 32),
+    (32, 128, 32, 256, 4, 3, 1, 1, 264, 1, 32),
+    (16, 128, 32, 128, 4, 6, 1, 1, 396, 1, 16),
+    (64, 128, 32, 128, 4, 4, 1, 1, 132, 1, 16),
 ]
 
 

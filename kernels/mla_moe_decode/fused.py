@@ -310,23 +310,25 @@ def _moe_blocks(batch: int, on_gpu: bool, sm_count: int) -> MoeBlocks:
     # docs/runs/2026-12-04-shared-split/).
     if batch <= 4:
         return MoeBlocks(block_m, 32, 128, 32, 128, num_warps=4, num_stages=4, shared_splits=14)
-    # Batch 5-16: 4 stages leave 2-3 gate_up programs per SM, and one program per item ran the
-    # ~480 items of batch 8 as a wave and a part of one; a grid of 2 programs per SM that loop
-    # over the items, and down K steps of 256: 116.9 / 161.2 / 260.6 / 319.4 µs at batch 5 / 8
-    # / 12 / 16 against 120.6 / 167.1 / 268.8 / 326.0 (2026-12-04 seventeenth session's sweep,
-    # docs/runs/2026-12-04-seventeenth/; two rounds within 1%). At batch 4 and below within 1%.
-    if batch <= 16:
-        return MoeBlocks(
-            block_m, 32, 128, 32, 256, num_warps=4, num_stages=4, gate_up_programs=2 * sm_count
-        )
-    # Batch > 16: 32 features per gate_up program and 32 outputs per down program halve how
-    # often the token tile is reloaded per weight byte: 860 µs at batch 64 (3.85 TB/s) against
-    # 1219 µs for (16, 128, 16, 128). Down K steps of 256 while the token tile is at most 32
-    # rows: 519.8 µs at batch 32 against 542.8; at 64 rows (batch 33-64) 3 stages of them fit
-    # one down program per SM, and batch 64 took 932.6 against 861.6. A capped gate_up grid
-    # was within 0.3% at 64 (the seventeenth session's sweep).
+    # Batch > 4, from the seventeenth session's sweeps (docs/runs/2026-12-04-seventeenth/):
+    # - a gate_up grid of 2 programs per SM that loop over the items: 4 stages leave 2-3 per
+    #   SM, and one program per item ran the ~480 items of batch 8 as a wave and a part of
+    #   one (161.2 µs against 167.1 at batch 8; with the 16-row tiles below, within 0.3% at
+    #   32-64);
+    # - the gate_up gathers each expert's tokens into tiles of 16 rows (token_rows): above
+    #   batch 16 a local expert has a few tokens, and the batch-wide tile held the rest masked
+    #   in shared memory and the MMA (4 stages of (64 + 64) x 128 bf16 at batch 64: 128 KB,
+    #   one program per SM). With 16-row tiles and 4 stages: 819.7 / 725.9 µs at batch 64 /
+    #   48 against 891.2 / 787.4 for the batch-wide tile and 3 stages;
+    # - down K steps of 256 while the down's token tile is at most 32 rows (its rows stay the
+    #   batch's, masked: gathering them there cost more than it saved): 161.6 / 318.3 / 516.1
+    #   µs at batch 8 / 16 / 32 against 162.9 / 325.2 / 518.8 for steps of 128; at 64 rows two
+    #   fit on an SM no more, and batch 64 took 882.2 against 821.6.
     down_k = 256 if block_m <= 32 else 128
-    return MoeBlocks(block_m, 32, 128, 32, down_k, num_warps=4, num_stages=3)
+    return MoeBlocks(
+        block_m, 32, 128, 32, down_k, num_warps=4, num_stages=4,
+        gate_up_programs=2 * sm_count, token_rows=16,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=16)

@@ -3,9 +3,10 @@
     route     router partial sums -> logits (fp32) -> sigmoid scores; the top_k of
               score + correction bias (the bias steers the choice only), weights = the chosen
               unbiased scores, normalized, x routed_scaling_factor.     one program per token
-    gate_up   tile (expert, intermediate block j), one work item per K split (one unless
-              split, below): the tokens that chose the expert (read from the routing table
-              on the device), h2 @ [gate; up]_e rows of block j,
+    gate_up   tile (expert, intermediate block j, chunk), one work item per K split (one
+              unless split, below): the tokens that chose the expert (read from the routing
+              table on the device), gathered token_rows at a time into a chunk,
+              h2 @ [gate; up]_e rows of block j,
               SiLU(gate) * up -> act[token, slot of e, block j]. The items are those of the
               shared expert (every token, slot top_k, its own narrower intermediate size) and
               of the local experts some token chose, in expert order: each program builds that
@@ -34,10 +35,16 @@
               (down_splits > 1): each split takes its part of every expert's intermediate
               dimension, and the last split of a tile sums them as gate_up's splits do.
 
-Tokens are never gathered or sorted: a program loads all B (<= 64) rows with a mask that keeps
-only the tokens that chose its expert; masked rows move no memory, they cost MMA issue slots
-only. Weights of experts routed to other GPUs' experts are normalized with the rest (as the stock
-path does) and then simply never match a local expert.
+Tokens are never sorted. The gate_up gathers an expert's tokens into tiles of token_rows rows
+(a chunk; an expert with more tokens has several, whose items come one after another so that
+all but the first read the weights from L2): at batch 64 a local expert has one or two tokens,
+and a tile of all 64 rows, the rest masked, took shared memory and MMA slots that a deeper
+pipeline needs (docs/mla_moe_notes.md, seventeenth session). The down kernel loads all B rows
+of act with a mask that keeps only the expert's tokens (masked rows move no memory): gathering
+them there too meant putting each tile row back in its token's row of the output, by a small
+fp32 matrix product per expert, and that cost more than it saved. Weights of experts routed to
+other GPUs' experts are normalized with the rest (as the stock path does) and then simply never
+match a local expert.
 Precision (ROUNDING in triton_common.py): router logits fp32; gate/up stay fp32, and SiLU-and-mul
 is rounded once, to the down GEMM's bf16 operand; the down projections, the routing weights and
 the expert sum stay fp32 until the single final rounding. The stock path also rounds gate/up,
@@ -76,6 +83,7 @@ class MoeBlocks:
     down_splits: int = 1  # programs that share one output block over the intermediate dims
     gate_up_programs: int = 0  # at most this many gate_up programs; 0: one per item
     shared_splits: int = 1  # programs that share one shared-expert feature block over hidden
+    token_rows: int = 0  # token rows of one MMA tile (>= 16 on the GPU); 0: block_m
 
 
 @triton.jit
@@ -218,15 +226,33 @@ def _chosen_local_experts(
 ):
     """The local experts some token chose, from the routing table: (rank (2 BLOCK_E,) int32,
     indexed by local expert: each chosen expert's place in expert order from 0, -1 for the
-    rest and for the bins past E; how many were chosen)."""
+    rest and for the bins past E; how many were chosen; counts (2 BLOCK_E,) int32: how many
+    tokens chose each local expert, 0 past E)."""
     flat = tl.arange(0, BLOCK_IDS)  # (token, slot) pairs
     local = tl.load(ids_ptr + flat, mask=flat < B * TOP_K, other=-1) - expert_offset
     # ids of other GPUs' experts and padding count in a bin past every local one
     local = tl.where((local >= 0) & (local < E), local, 2 * BLOCK_E - 1)
     experts = tl.arange(0, 2 * BLOCK_E)
-    chosen = (tl.histogram(local, 2 * BLOCK_E) > 0) & (experts < E)
+    counts = tl.where(experts < E, tl.histogram(local, 2 * BLOCK_E), 0)
+    chosen = counts > 0
     rank = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-    return tl.where(chosen, rank, -1), tl.sum(chosen.to(tl.int32), axis=0)
+    return tl.where(chosen, rank, -1), tl.sum(chosen.to(tl.int32), axis=0), counts
+
+
+@triton.jit
+def _compact_rows(chosen, slot, first, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr):
+    """The chosen rows numbered first .. first + TOKENS - 1, gathered into one MMA tile: (token
+    (TOKENS,) int32 row index, its slot, valid (TOKENS,) bool, where (BLOCK_M, TOKENS) bool:
+    row m is tile row j). A tile only as tall as the tokens an expert has: at batch 64 a local
+    expert has one or two, and a 64-row tile held 62 masked rows in shared memory and the MMA."""
+    rows = tl.arange(0, BLOCK_M)
+    place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # (BLOCK_M,): each chosen row's number
+    j = first + tl.arange(0, TOKENS)
+    where = chosen[:, None] & (place[:, None] == j[None, :])  # (BLOCK_M, TOKENS)
+    token = tl.sum(tl.where(where, rows[:, None], 0), axis=0)
+    token_slot = tl.sum(tl.where(where, slot[:, None], 0), axis=0)
+    valid = tl.max(where.to(tl.int32), axis=0) > 0
+    return token, token_slot, valid, where
 
 
 @triton.jit
@@ -301,27 +327,48 @@ def _gate_up_kernel(
     K_SPLITS: tl.constexpr,  # items per routed (expert, feature block)
     SHARED_TILES: tl.constexpr,  # the shared expert's feature blocks, whose items come first
     SHARED_SPLITS: tl.constexpr,  # items per shared feature block
+    TOKENS: tl.constexpr,  # token rows per tile
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
     table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
-    rank, n_chosen = _chosen_local_experts(ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E)
+    # (no `_` for the unused values: a name assigned before the item loop and again in it is
+    # a loop-carried variable to Triton's compiler, which then wants one type for it)
+    _rank, _n_chosen, counts = _chosen_local_experts(
+        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
+    )
+    bins = tl.arange(0, 2 * BLOCK_E)
+    # A tile is (expert, feature block, chunk of TOKENS of the expert's tokens), one item per
+    # K split. The items run expert by expert, then feature block, chunk, split: the chunks of
+    # one block read the same weight rows at about the same time, so all but one read L2.
     blocks_per_expert = tl.cdiv(INTER, BLOCK_I)
-    shared_items = SHARED_TILES * SHARED_SPLITS
-    n_items = shared_items + n_chosen * blocks_per_expert * K_SPLITS
+    chunks = tl.cdiv(counts, TOKENS)  # (2 BLOCK_E,): 0 for the experts no token chose
+    expert_items = chunks * (blocks_per_expert * K_SPLITS)
+    expert_ends = tl.cumsum(expert_items, axis=0)
+    shared_chunks = tl.cdiv(B, TOKENS)
+    shared_items = SHARED_TILES * shared_chunks * SHARED_SPLITS
+    n_items = shared_items + tl.sum(expert_items, axis=0)
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        # item -> (tile, split): a tile is one (expert, feature block), split over K
         is_shared = item < shared_items
-        n_splits = tl.where(is_shared, SHARED_SPLITS, K_SPLITS)
         in_part = tl.where(is_shared, item, item - shared_items)
-        tile, split = in_part // n_splits, in_part % n_splits
-        expert = _nth_expert(rank, tile // blocks_per_expert, BLOCK_E)
-        col_block = tl.where(is_shared, tile, tile % blocks_per_expert)
-        chosen, slot, _ = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
+        # the routed item's expert: the experts whose items all come before it are the first
+        expert = tl.sum((expert_ends <= in_part).to(tl.int32), axis=0)
+        this = bins == expert
+        in_expert = in_part - tl.sum(tl.where(this, expert_ends - expert_items, 0), axis=0)
+        n_chunks = tl.where(is_shared, shared_chunks, tl.sum(tl.where(this, chunks, 0), axis=0))
+        n_splits = tl.where(is_shared, SHARED_SPLITS, K_SPLITS)
+        local = tl.where(is_shared, item, in_expert)
+        col_block = local // (n_chunks * n_splits)
+        chunk = local // n_splits % n_chunks
+        split = local % n_splits
+        chosen, slot, _match = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
         chosen = tl.where(is_shared, row_mask, chosen)
         slot = tl.where(is_shared, TOP_K, slot)
+        token, token_slot, valid, _where = _compact_rows(
+            chosen, slot, chunk * TOKENS, BLOCK_M, TOKENS
+        )
         inter = tl.where(is_shared, I_SHARED, INTER)
         w_base = tl.where(is_shared, shared_ptr, w13_ptr + expert.to(tl.int64) * 2 * INTER * D)
         # Weight rows interleaved [gate f, up f, gate f+1, up f+1, ...]: one MMA computes both,
@@ -330,7 +377,7 @@ def _gate_up_kernel(
         feature = col_block * BLOCK_I + pair // 2
         w_rows = w_base + ((pair % 2) * inter + feature)[:, None] * D  # (2 BLOCK_I, 1)
         f_mask = feature < inter
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_I), dtype=tl.float32)
+        acc = tl.zeros((TOKENS, 2 * BLOCK_I), dtype=tl.float32)
         k_per_item = tl.where(is_shared, shared_k_per_split, k_per_split)
         k_start = split * k_per_item
         k_end = tl.minimum(k_start + k_per_item, D)
@@ -338,58 +385,62 @@ def _gate_up_kernel(
             ks = first + tl.arange(0, BLOCK_K)
             k_mask = ks < D
             h = tl.load(
-                h_ptr + rows[:, None] * D + ks[None, :],
-                mask=chosen[:, None] & k_mask[None, :],
+                h_ptr + token[:, None] * D + ks[None, :],
+                mask=valid[:, None] & k_mask[None, :],
                 other=0.0,
-            )  # (BLOCK_M, BLOCK_K): rows of tokens that did not choose this expert stay 0
+            )  # (TOKENS, BLOCK_K): rows past the chunk's tokens stay 0
             w = tl.load(w_rows + ks[None, :], mask=f_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = mma(h, tl.trans(w), acc, DOT_F32)  # (BLOCK_M, 2 BLOCK_I)
+            acc = mma(h, tl.trans(w), acc, DOT_F32)  # (TOKENS, 2 BLOCK_I)
         last = n_splits == 1
         # some tile is split: its last split adds them up. Two ifs: the outer is decided at
         # compile time, so an unsplit plan compiles no atomics at all.
         if SHARED_SPLITS * K_SPLITS > 1:  # noqa: SIM102
             if n_splits > 1:
-                counter = tl.where(is_shared, tile, SHARED_TILES + tile)
+                # a tile's items are consecutive; the shared tiles' counters come first
+                tile = in_part // n_splits
+                counter = tl.where(is_shared, tile, SHARED_TILES * shared_chunks + tile)
                 acc, last = _last_split_sum(
                     acc,
                     partial_ptr,
                     counter_ptr,
                     counter,
-                    item - split,  # a tile's items are consecutive: its split 0's slot
+                    item - split,  # its split 0's slot
                     split,
                     n_splits,
-                    rows,
-                    chosen,
-                    BLOCK_M,
+                    tl.arange(0, TOKENS),
+                    valid,
+                    TOKENS,
                     2 * BLOCK_I,
                 )
         if last:
             _store_act(
-                acc, act_ptr, rows, slot, chosen, col_block, inter, INTER, TOP_K, BLOCK_M, BLOCK_I
-            )
+                acc, act_ptr, token, token_slot, valid, col_block, inter, INTER, TOP_K, TOKENS,
+                BLOCK_I,
+            )  # fmt: skip
 
 
 @triton.jit
 def _store_act(
     acc,
     act_ptr,
-    rows,
+    token,
     slot,
-    chosen,
+    valid,
     col_block,
     inter,
     INTER,
     TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    TOKENS: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
-    """The gate_up epilogue: (BLOCK_M, 2 BLOCK_I) fp32 sums of interleaved [gate f, up f]
-    rows -> SiLU(gate) * up, rounded once to bf16 (the down GEMM's operand), into act[row, slot]."""
-    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_I, 2)))
+    """The gate_up epilogue: (TOKENS, 2 BLOCK_I) fp32 sums of interleaved [gate f, up f]
+    rows -> SiLU(gate) * up, rounded once to bf16 (the down GEMM's operand), into
+    act[token, slot] of each valid tile row."""
+    gate, up = tl.split(tl.reshape(acc, (TOKENS, BLOCK_I, 2)))
     act = silu_and_mul(gate, up)
     cols = col_block * BLOCK_I + tl.arange(0, BLOCK_I)
-    out_at = act_ptr + (rows * (TOP_K + 1) + slot)[:, None] * INTER + cols[None, :]
-    tl.store(out_at, act, mask=chosen[:, None] & (cols < inter)[None, :])
+    out_at = act_ptr + (token * (TOP_K + 1) + slot)[:, None] * INTER + cols[None, :]
+    tl.store(out_at, act, mask=valid[:, None] & (cols < inter)[None, :])
 
 
 @triton.jit
@@ -471,7 +522,9 @@ def _down_kernel(
         other=0.0,
     )  # (BLOCK_M, BLOCK_K_SLOTS)
     table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)  # read once
-    rank, n_chosen = _chosen_local_experts(ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E)
+    rank, n_chosen, _counts = _chosen_local_experts(
+        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
+    )
     out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for n in range(0, n_chosen):  # in expert order, as the sum's order must not vary
         expert = _nth_expert(rank, n, BLOCK_E)
@@ -595,12 +648,16 @@ def fused_moe(
         num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,
     )
-    # work items: the shared expert's feature blocks, then those of every chosen local expert;
-    # each block ("tile") is one item per K split
-    shared_tiles = triton.cdiv(shared_inter, blocks.gate_up_cols)
-    most_tiles = shared_tiles + min(batch * top_k, experts) * triton.cdiv(
-        inter, blocks.gate_up_cols
-    )
+    # work items: the shared expert's tiles, then those of every chosen local expert; a tile is
+    # (feature block, chunk of `tokens` of the expert's tokens), one item per K split. The
+    # grid is the most items the batch can make, from the most chunks: sum over the chosen
+    # experts of cdiv(tokens_e, T) <= chosen + B top_k // T, and one each while B <= T.
+    tokens = blocks.token_rows or blocks.block_m
+    shared_tiles = triton.cdiv(shared_inter, blocks.gate_up_cols) * triton.cdiv(batch, tokens)
+    most_chunks = min(batch * top_k, experts)
+    if batch > tokens:
+        most_chunks += batch * top_k // tokens
+    most_tiles = shared_tiles + most_chunks * triton.cdiv(inter, blocks.gate_up_cols)
     k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
     shared_k_per_split, shared_splits = k_splits(hidden, blocks.shared_splits, blocks.gate_up_k)
     most_items = shared_tiles * shared_splits + (most_tiles - shared_tiles) * splits
@@ -611,7 +668,7 @@ def fused_moe(
         # the shared expert's when the routed tiles are whole (the plan at small batch)
         split_items = most_items if splits > 1 else shared_tiles * shared_splits
         split_tiles = most_tiles if splits > 1 else shared_tiles
-        tile_size = blocks.block_m * 2 * blocks.gate_up_cols
+        tile_size = tokens * 2 * blocks.gate_up_cols
         partial = torch.empty(split_items, tile_size, device=h.device, dtype=torch.float32)
         counters = split_counters(h.device, split_tiles)
     _gate_up_kernel[(programs,)](
@@ -633,8 +690,9 @@ def fused_moe(
         BLOCK_I=blocks.gate_up_cols,
         BLOCK_K=blocks.gate_up_k,
         K_SPLITS=splits,
-        SHARED_TILES=shared_tiles,
+        SHARED_TILES=triton.cdiv(shared_inter, blocks.gate_up_cols),
         SHARED_SPLITS=shared_splits,
+        TOKENS=tokens,
         **common,
         **pdl_options(h.device),
     )

@@ -566,21 +566,45 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     bits. shared_splits: the shared expert's tiles split apart from the routed ones', 2 ways
     beside the routed 3 (tiles of different split counts in one launch), or 3 ways alone (the
     plan at small batch), where no routed tile counts."""
-    c, gen = LAYER, torch.Generator().manual_seed(batch)
-    h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
-    w = _expert_weights(c, gen)
     # at batch 3 the tokens choose among 6 global experts, of them local 5 and 7 (ids 21, 23);
     # at batch 1 the one token takes 6 with local 6 and 7 among them (ids 22, 23);
     # at batch 2 no local expert at all: the shared expert's items are the whole gate_up;
     # at batch 64 among all but three, so most local experts are chosen
     if batch == 64:  # every expert but local 0, 1 and 6 (global 16, 17, 22)
-        pool = torch.tensor([e for e in range(c.experts_total) if e not in (16, 17, 22)])
+        pool = torch.tensor([e for e in range(LAYER.experts_total) if e not in (16, 17, 22)])
     elif batch == 1:
         pool = torch.tensor([0, 22, 23, 40, 50, 63])
     elif batch == 2:
         pool = torch.tensor([0, 1, 2, 40, 50, 63])
     else:
         pool = torch.tensor([0, 21, 23, 40, 50, 63])
+    block_m = 16 if batch <= 16 else 64
+    blocks = MoeBlocks(block_m, cols, 128, 128, 64, 4, 1, splits, splits, programs, shared_splits)
+    _check_fused_moe(batch, pool, blocks)
+
+
+@pytest.mark.parametrize("token_rows", [16, 8])
+@pytest.mark.parametrize(("programs", "splits", "shared_splits"), [(0, 1, 1), (3, 3, 2)])
+def test_fused_moe_gathers_each_experts_tokens_into_tiles_of_token_rows(
+    token_rows: int, programs: int, splits: int, shared_splits: int
+) -> None:
+    """token_rows below the batch: each expert's tokens are gathered into tiles that many rows
+    tall, and an expert with more tokens takes several tiles (chunks) of every feature block
+    and of every down pass. 64 tokens choose 6 of 8 experts, four of them local, so each local
+    expert has about 48 tokens: 3 chunks of 16 or 6 of 8, and the shared expert's 64 are 4 or
+    8; a chunk that skipped, repeated or misplaced a token shows, with the grid capped and the
+    hidden dimension split too."""
+    pool = torch.tensor([0, 18, 19, 21, 23, 40, 50, 63])  # local 2, 3, 5 and 7
+    blocks = MoeBlocks(64, 32, 128, 128, 64, 4, 1, splits, splits, programs, shared_splits)
+    _check_fused_moe(64, pool, dataclasses.replace(blocks, token_rows=token_rows))
+
+
+def _check_fused_moe(batch: int, pool: torch.Tensor, blocks: MoeBlocks) -> None:
+    """fused_moe against float64 per-token math, each token's experts drawn from the pool,
+    with NaN weights for every local expert no token chose."""
+    c, gen = LAYER, torch.Generator().manual_seed(batch)
+    h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
+    w = _expert_weights(c, gen)
     ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[: c.top_k]] for _ in h])
     routing = torch.rand(batch, c.top_k, generator=gen) + 0.1
     local = ids - c.expert_offset
@@ -589,8 +613,6 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     w["experts_w13"][unchosen] = float("nan")
     w["experts_w2"][unchosen] = float("nan")
     out = torch.empty_like(h)
-    block_m = 16 if batch <= 16 else 64
-    blocks = MoeBlocks(block_m, cols, 128, 128, 64, 4, 1, splits, splits, programs, shared_splits)
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
     fused_moe(h, ids.int(), routing, *experts, out, c.expert_offset, blocks)
     expected = torch.stack([_moe_reference(c, w, h[b], local[b], routing[b]) for b in range(batch)])
@@ -598,7 +620,7 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
     # the reference already rounds the activation; what remains is the final rounding (a
     # second rounding of gate/up, say, would read about 4e-3 here)
     assert _relative(out, expected) <= 1.2 * _relative(expected.to(BF16), expected)
-    if max(splits, shared_splits) > 1:
+    if max(blocks.gate_up_splits, blocks.shared_splits, blocks.down_splits) > 1:
         assert not triton_moe._counters[CPU].any()  # every tile left its counter at zero
         again = torch.empty_like(h)
         fused_moe(h, ids.int(), routing, *experts, again, c.expert_offset, blocks)

@@ -39,6 +39,8 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
     python3 benchmarks/mla_moe_device_check.py --sweep-small-kernels  # as --sweep-pdl: the
         layer with one small kernel's launch changed (each SMALL_KERNEL_VARIANTS entry) against
         the plan
+    python3 benchmarks/mla_moe_device_check.py --sweep-moe-plan  # as --sweep-pdl: the layer
+        with the MoE plan from before the seventeenth session against the plan
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -1132,20 +1134,55 @@ def with_plan_value(plan: fused.LayerPlan, field_name: str, value: int | bool) -
 def _compare_small_kernels(
     problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
-    """The plan ("off") and each SMALL_KERNEL_VARIANTS change: fused.layer_plan is replaced,
-    for the whole comparison, by one that applies the current variant's change."""
+    """The plan ("off") and each SMALL_KERNEL_VARIANTS change."""
+    changes = {
+        name: partial(with_plan_value, field_name=field_name, value=value)
+        for name, (field_name, value) in SMALL_KERNEL_VARIANTS.items()
+    }
+    _compare_plans(problem, weights, case, row, t, changes)
+
+
+def moe_before_seventeenth(plan: fused.LayerPlan) -> fused.LayerPlan:
+    """The plan with the MoE as it was before the seventeenth session (2026-12-04): one gate_up
+    program per item, the batch-wide token tile, down K steps of 128, 3 stages above batch 16.
+    Batch <= 4 kept its plan."""
+    moe = plan.moe
+    if moe.shared_splits > 1:  # batch <= 4
+        return plan
+    stages = 4 if moe.block_m <= 16 else 3
+    before = replace(moe, gate_up_programs=0, token_rows=0, down_k=128, num_stages=stages)
+    return replace(plan, moe=before)
+
+
+def _compare_moe_plans(
+    problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
+) -> None:
+    """The plan ("off") and the MoE plan before the seventeenth session, in the whole layer."""
+    _compare_plans(problem, weights, case, row, t, {"moe before": moe_before_seventeenth})
+
+
+def _compare_plans(
+    problem: Problem,
+    weights: list[Tensors],
+    case: Case,
+    row: PdlRow,
+    t: Target,
+    changes: Mapping[str, Callable[[fused.LayerPlan], fused.LayerPlan]],
+) -> None:
+    """The plan ("off") and each change of it: fused.layer_plan is replaced, for the whole
+    comparison, by one that applies the current variant's change."""
     planned = fused.layer_plan
-    current: list[tuple[str, int | bool]] = []  # the change in force; none for "off"
+    current: list[Callable[[fused.LayerPlan], fused.LayerPlan]] = []  # none for "off"
 
     def changed(*key: Any) -> fused.LayerPlan:
         plan = planned(*key)
-        return with_plan_value(plan, *current[0]) if current else plan
+        return current[0](plan) if current else plan
 
-    def use(change: tuple[str, int | bool] | None) -> None:
+    def use(change: Callable[[fused.LayerPlan], fused.LayerPlan] | None) -> None:
         current[:] = [change] if change else []
 
     variants = {"off": partial(use, None)}
-    variants |= {name: partial(use, change) for name, change in SMALL_KERNEL_VARIANTS.items()}
+    variants |= {name: partial(use, change) for name, change in changes.items()}
     with mock.patch.object(fused, "layer_plan", changed):  # read at capture, as PDL's mode
         _compare_variants(problem, weights, case, row, t, variants)
 
@@ -1343,8 +1380,14 @@ def main() -> None:
     contexts = [8192] if args.quick else [1024, 8192, 32768]
     if args.small:
         contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
-    if args.sweep_pdl or args.sweep_small_kernels:
-        compare = _compare_pdl_modes if args.sweep_pdl else _compare_small_kernels
+    if args.sweep_pdl or args.sweep_small_kernels or args.sweep_moe_plan:
+        compare = (
+            _compare_pdl_modes
+            if args.sweep_pdl
+            else _compare_small_kernels
+            if args.sweep_small_kernels
+            else _compare_moe_plans
+        )
         print(f"== {compare.__name__}", flush=True)
         cases = [(b, c) for b in args.batches or batches for c in contexts]
         pdl_rows = _each_case(
@@ -1456,7 +1499,8 @@ def _parse_args() -> argparse.Namespace:
         type=int,
         nargs="+",
         help="the batches of --sweep-attention, --sweep-moe, --sweep-router, --sweep-combine, "
-        "--profile-fused, --sweep-pdl and --sweep-small-kernels (on the GPU by default 1 8, "
+        "--profile-fused, --sweep-pdl, --sweep-small-kernels and --sweep-moe-plan (on the GPU by "
+        "default 1 8, "
         "1 8 64, 1 8 64, 1 8 64, 1 4 8, and the part-2 batches; the other runs ignore it)",
     )
     parser.add_argument(
@@ -1469,6 +1513,12 @@ def _parse_args() -> argparse.Namespace:
         action="store_true",
         help="instead of parts 1 and 2: the fused layer with one small kernel's launch "
         "changed, each change against the plan (as --sweep-pdl compares)",
+    )
+    parser.add_argument(
+        "--sweep-moe-plan",
+        action="store_true",
+        help="instead of parts 1 and 2: the fused layer with the MoE plan from before the "
+        "seventeenth session against the plan (as --sweep-pdl compares)",
     )
     parser.add_argument(
         "--skip", nargs="*", default=[], help="kernel checks to leave out, e.g. input_norm"

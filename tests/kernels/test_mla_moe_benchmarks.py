@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from benchmarks import mla_moe_device_check as device_check
-from benchmarks.mla_moe_device_check import SMALL_KERNEL_VARIANTS, with_plan_value
+from benchmarks.mla_moe_device_check import (
+    SMALL_KERNEL_VARIANTS,
+    moe_before_seventeenth,
+    with_plan_value,
+)
 from kernels.mla_moe_decode import fused
 from kernels.mla_moe_decode.config import LayerConfig
 
@@ -121,6 +125,31 @@ def test_small_kernel_sweep_times_each_change_against_the_plan(tmp_path: Path) -
     # the interpreter ignores num_warps, and the routing orders give the same bits anyway
     assert rows[0]["same_bits"] == dict.fromkeys(SMALL_KERNEL_VARIANTS, True)
     assert all(rows[0]["us"][v] > 0 and rows[0]["off_us"][v] > 0 for v in SMALL_KERNEL_VARIANTS)
+
+
+def test_moe_plan_sweep_times_the_earlier_moe_plan_against_the_plan(tmp_path: Path) -> None:
+    out = tmp_path / "moe_plan.json"
+    args = ("--small", "--quick", "--sweep-moe-plan", "--batches", "3", "--out", str(out))
+    _run("mla_moe_device_check.py", *args)
+    rows = json.loads(out.read_text())["pdl"]
+    assert [(r["batch"], r["errors"]) for r in rows] == [(3, [])]
+    assert rows[0]["same_bits"] == {"moe before": True}  # the interpreter: fp32 dots either way
+    assert rows[0]["us"]["moe before"] > 0 and rows[0]["off_us"]["moe before"] > 0
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_the_moe_plan_before_the_seventeenth_session(batch: int) -> None:
+    """What --sweep-moe-plan compares against: the H200 plan's MoE as it was, the rest as is."""
+    plan = fused.layer_plan(LayerConfig(), batch, 1024, True, 132)
+    before = moe_before_seventeenth(plan)
+    assert dataclasses.replace(before, moe=plan.moe) == plan
+    if batch == 1:  # unchanged at batch <= 4
+        assert before == plan
+        return
+    moe = before.moe
+    assert (moe.gate_up_programs, moe.token_rows, moe.down_k) == (0, 0, 128)
+    assert moe.num_stages == (4 if batch <= 16 else 3)
+    assert (plan.moe.gate_up_programs, plan.moe.token_rows) == (264, 16)
 
 
 def test_with_plan_value_changes_that_kernel_alone() -> None:

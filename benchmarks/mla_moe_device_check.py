@@ -1154,11 +1154,24 @@ def moe_before_seventeenth(plan: fused.LayerPlan) -> fused.LayerPlan:
     return replace(plan, moe=before)
 
 
+def _with_moe(plan: fused.LayerPlan, **change: int) -> fused.LayerPlan:
+    return replace(plan, moe=replace(plan.moe, **change))
+
+
+# --sweep-moe-plan: the MoE plan before the seventeenth session, and each of that session's
+# changes undone alone, each against the plan in the whole layer
+MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan], fused.LayerPlan]] = {
+    "moe before": moe_before_seventeenth,
+    "gate_up uncapped": partial(_with_moe, gate_up_programs=0),
+    "down K 128": partial(_with_moe, down_k=128),
+}
+
+
 def _compare_moe_plans(
     problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
-    """The plan ("off") and the MoE plan before the seventeenth session, in the whole layer."""
-    _compare_plans(problem, weights, case, row, t, {"moe before": moe_before_seventeenth})
+    """The plan ("off") and each MOE_PLAN_VARIANTS change, in the whole layer."""
+    _compare_plans(problem, weights, case, row, t, MOE_PLAN_VARIANTS)
 
 
 def _compare_plans(

@@ -40,7 +40,8 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
         layer with one small kernel's launch changed (each SMALL_KERNEL_VARIANTS entry) against
         the plan
     python3 benchmarks/mla_moe_device_check.py --sweep-moe-plan  # as --sweep-pdl: the layer
-        with the MoE plan from before the seventeenth session against the plan
+        with each MOE_PLAN_VARIANTS change of the MoE plan (the plan from before the
+        seventeenth session, and two of its changes undone one at a time) against the plan
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -633,7 +634,7 @@ def _soft_kernel(
 # for 480 such tiles one program each, 4.34 for 1152 looped over by 396). A capped grid loops
 # over the items: 132 / 198 / 264 / 330 are 1 / 1.5 / 2 / 2.5 programs per H200 SM.
 MOE_TILES_SMALL = [
-    (32, 128, 32, 128, 4, 4),  # the plan for batch 5-16 (at <= 4 with shared splits 14)
+    (32, 128, 32, 128, 4, 4),  # the plan for batch 5-16 until the seventeenth session
     (32, 128, 32, 128, 4, 4, 1, 1, 0, 14),  # the plan at batch <= 4
     (16, 128, 32, 128, 4, 6),
     (64, 128, 32, 128, 4, 4),
@@ -644,7 +645,7 @@ MOE_TILES_SMALL = [
     (32, 128, 32, 128, 4, 4, 1, 1, 264),
     (32, 128, 32, 128, 4, 4, 1, 1, 330),
     (32, 128, 32, 128, 4, 4, 1, 1, 264, 14),
-    (32, 128, 32, 256, 4, 4, 1, 1, 264),
+    (32, 128, 32, 256, 4, 4, 1, 1, 264),  # the plan at batch 5-16 since (264: 2 per H200 SM)
     (32, 128, 32, 128, 4, 4, 1, 2, 264),
     (16, 128, 32, 128, 4, 6, 1, 1, 396),  # 3 per SM
     (64, 128, 32, 128, 4, 4, 1, 1, 132),  # 1 per SM (4 stages of (128 + 16) x 128)
@@ -658,16 +659,16 @@ MOE_TILES_SMALL = [
 # None beat the plan at 64. The tenth session tried a down kernel with one flat loop over
 # (expert, K step): 28-39% slower at batch 8-64 and removed (docs/mla_moe_notes.md).
 MOE_TILES_LARGE = [
-    (32, 128, 32, 128, 4, 3),  # the plan for batch > 16
-    (32, 128, 32, 256, 4, 3),  # the plan at batch 17-32
+    (32, 128, 32, 128, 4, 3),  # the plan for batch > 16 until the seventeenth session
+    (32, 128, 32, 256, 4, 3),
     (32, 128, 32, 128, 4, 3, 1, 1, 264),
     # each expert's tokens gathered into tiles of 16 or 32 rows (token_rows): at batch 64 a
     # local expert has one or two tokens, and the 64-row tile held the rest masked, in shared
     # memory (3 stages of (64 + 64) x 128 for the gate_up) and in the MMA
     (32, 128, 32, 128, 4, 3, 1, 1, 0, 1, 16),
     (32, 128, 32, 128, 4, 4, 1, 1, 0, 1, 16),
-    (32, 128, 32, 128, 4, 4, 1, 1, 264, 1, 16),
-    (32, 128, 32, 256, 4, 4, 1, 1, 264, 1, 16),
+    (32, 128, 32, 128, 4, 4, 1, 1, 264, 1, 16),  # the plan at batch 33-64 since
+    (32, 128, 32, 256, 4, 4, 1, 1, 264, 1, 16),  # the plan at batch 17-32 since
     (32, 128, 32, 256, 4, 4, 1, 1, 0, 1, 16),
     (32, 128, 32, 128, 4, 4, 1, 2, 264, 1, 16),
     (32, 128, 16, 128, 4, 4, 1, 1, 264, 1, 16),
@@ -1145,7 +1146,8 @@ def _compare_small_kernels(
 def moe_before_seventeenth(plan: fused.LayerPlan) -> fused.LayerPlan:
     """The plan with the MoE as it was before the seventeenth session (2026-12-04): one gate_up
     program per item, the batch-wide token tile, down K steps of 128, 3 stages above batch 16.
-    Batch <= 4 kept its plan."""
+    Batch <= 4 kept its plan. Meant for the GPU plan: on the CPU's it changes tiles and stages
+    too, which only the smoke run uses."""
     moe = plan.moe
     if moe.shared_splits > 1:  # batch <= 4
         return plan
@@ -1158,8 +1160,9 @@ def _with_moe(plan: fused.LayerPlan, **change: int) -> fused.LayerPlan:
     return replace(plan, moe=replace(plan.moe, **change))
 
 
-# --sweep-moe-plan: the MoE plan before the seventeenth session, and each of that session's
-# changes undone alone, each against the plan in the whole layer
+# --sweep-moe-plan: the MoE plan before the seventeenth session, and two of that session's
+# changes undone alone (the capped grid, the down's K steps), each against the plan in the
+# whole layer
 MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan], fused.LayerPlan]] = {
     "moe before": moe_before_seventeenth,
     "gate_up uncapped": partial(_with_moe, gate_up_programs=0),
@@ -1530,8 +1533,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--sweep-moe-plan",
         action="store_true",
-        help="instead of parts 1 and 2: the fused layer with the MoE plan from before the "
-        "seventeenth session against the plan (as --sweep-pdl compares)",
+        help="instead of parts 1 and 2: the fused layer with each MOE_PLAN_VARIANTS change of "
+        "the MoE plan against the plan (as --sweep-pdl compares)",
     )
     parser.add_argument(
         "--skip", nargs="*", default=[], help="kernel checks to leave out, e.g. input_norm"

@@ -299,9 +299,10 @@ def _moe_blocks(batch: int, on_gpu: bool, sm_count: int) -> MoeBlocks:
         return MoeBlocks(block_m, 64, 128, 128, 64, num_warps=4, num_stages=1)
     # From `mla_moe_device_check.py --sweep-moe` on the H200 (docs/mla_moe_notes.md). Batch
     # <= 16: 32 features (64 weight rows) per gate_up program, 32 outputs per down program, K
-    # steps of 128, 4 stages: 82 / 175 µs at batch 1 / 8 in the 2026-12-03 sweep of 15 tilings,
-    # against 90 / 175 for 16 features and 6 stages (the earlier pick), and 111-274 µs at batch
-    # 1 with every item split over K (so the routed experts' items stay whole).
+    # steps of 128 (the down's 256 above batch 4, below), 4 stages: 82 / 175 µs at batch 1 / 8
+    # in the 2026-12-03 sweep of 15 tilings, against 90 / 175 for 16 features and 6 stages (the
+    # earlier pick), and 111-274 µs at batch 1 with every item split over K (so the routed
+    # experts' items stay whole).
     # Batch <= 4: the shared expert's 8 tiles split 14 ways over the hidden dim (112 programs
     # of 64 KB). When no token chooses a local expert (a third of the layers at batch 1, one in
     # eight at batch 2) its tiles are the whole gate_up kernel, and unsplit they ran 8 programs

@@ -13,14 +13,14 @@
               list from the routing table (a histogram of the chosen ids) and takes items
               program_id, + programs, ... . The weights of an expert no token chose are never
               read, and no program is spent on it: the grid is at most as large as the most
-              items the batch can make (B x top_k experts, at most E), and the plan can cap it
+              items the batch can make (gate_up_bounds), and the plan can cap it
               (gate_up_programs) so that a few programs each stream several items. Before,
               one program per (expert, block) of every expert that could be chosen was
               launched and the unchosen ones exited; in the H200 MoE sweep of 2026-12-03 the
               batch-1 time grew with that count (82 / 90 / 131 µs for 576 / 1152 / 2304
               programs), and batch 4 launched 2112 programs for about 4 chosen experts' 256.
-              Split K: a feature block (a "tile") can be several items, each a part of the
-              hidden dimension, so that several programs stream one block's weight rows;
+              Split K: a (feature block, chunk) (a "tile") can be several items, each a part
+              of the hidden dimension, so that several programs stream one block's weight rows;
               shared_splits for the shared expert's tiles, gate_up_splits for the routed
               ones. Each split stores its fp32 partial tile and counts itself in on the
               tile's counter; the split that arrives last adds the partials in split order
@@ -266,7 +266,7 @@ def _last_split_sum(
     acc,
     partial_ptr,  # (slots, BLOCK_M, BLOCK_N) fp32 workspace: a tile's splits in a row
     counter_ptr,  # (tiles,) int32, zero between launches
-    tile,  # the down kernel's output tile, or the gate_up kernel's (expert, feature block)
+    tile,  # the down kernel's output tile, or the gate_up's (expert, feature block, chunk)
     first_slot,  # the workspace slot of the tile's split 0
     split,  # which of the tile's n_splits this is
     n_splits,
@@ -306,7 +306,7 @@ def _gate_up_kernel(
     w13_ptr,  # (E, 2 INTER, D) bf16: [gate; up] per local expert
     shared_ptr,  # (2 I_S, D) bf16: the shared expert's [gate; up]
     act_ptr,  # (B, TOP_K + 1, INTER) bf16 out: slot TOP_K is the shared expert's
-    partial_ptr,  # split items: (items, BLOCK_M, 2 BLOCK_I) fp32 workspace, a slot per item
+    partial_ptr,  # split items: (items, TOKENS, 2 BLOCK_I) fp32 workspace, a slot per item
     counter_ptr,  # split items: (tiles,) int32, zero between launches
     B,
     D,
@@ -324,9 +324,9 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_E: tl.constexpr,  # >= E
-    K_SPLITS: tl.constexpr,  # items per routed (expert, feature block)
+    K_SPLITS: tl.constexpr,  # items per routed (expert, feature block, chunk)
     SHARED_TILES: tl.constexpr,  # the shared expert's feature blocks, whose items come first
-    SHARED_SPLITS: tl.constexpr,  # items per shared feature block
+    SHARED_SPLITS: tl.constexpr,  # items per shared (feature block, chunk)
     TOKENS: tl.constexpr,  # token rows per tile
     PDL: tl.constexpr,
 ):
@@ -611,6 +611,32 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
     return counters[:count]
 
 
+def gate_up_bounds(
+    batch: int,
+    top_k: int,
+    experts: int,
+    tokens: int,
+    shared_blocks: int,
+    blocks_per_expert: int,
+    splits: int,
+    shared_splits: int,
+) -> tuple[int, int, int]:
+    """The most the gate_up kernel can index for any routing in which each token chose top_k
+    distinct experts (route's top-k does): (shared tiles, most tiles, most items), sizing its
+    grid, its split workspace and its counters. A tile is (feature block, chunk of `tokens` of
+    an expert's tokens); the shared expert's come first, one chunk per `tokens` of the batch,
+    then the routed: over the chosen experts, sum of cdiv(count_e, tokens) <= chosen + B top_k
+    // tokens, and one each while B <= tokens (count_e <= B). Each tile is `splits` items
+    (`shared_splits` for the shared expert's)."""
+    shared_tiles = shared_blocks * triton.cdiv(batch, tokens)
+    most_chunks = min(batch * top_k, experts)
+    if batch > tokens:
+        most_chunks += batch * top_k // tokens
+    most_tiles = shared_tiles + most_chunks * blocks_per_expert
+    most_items = shared_tiles * shared_splits + (most_tiles - shared_tiles) * splits
+    return shared_tiles, most_tiles, most_items
+
+
 def fused_moe(
     h: torch.Tensor,
     ids: torch.Tensor,
@@ -626,7 +652,8 @@ def fused_moe(
     """h (B, D) bf16; ids (B, top_k) int32 global; routing_weights (B, top_k) fp32;
     w13 (E, 2I, D), w2 (E, D, I), shared_gate_up (2 I_S, D), shared_down (D, I_S) bf16
     -> out (B, D) bf16: the sum over the chosen local experts of weight * SwiGLU_e(h), plus
-    SwiGLU_shared(h)."""
+    SwiGLU_shared(h). A token's ids must be distinct (route's top-k makes them so): the
+    gate_up's grid and workspace are sized for that (gate_up_bounds)."""
     batch, hidden = h.shape
     experts, inter2, _ = w13.shape
     inter, shared_inter = inter2 // 2, shared_down.shape[1]
@@ -648,19 +675,16 @@ def fused_moe(
         num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,
     )
-    # work items: the shared expert's tiles, then those of every chosen local expert; a tile is
-    # (feature block, chunk of `tokens` of the expert's tokens), one item per K split. The
-    # grid is the most items the batch can make, from the most chunks: sum over the chosen
-    # experts of cdiv(tokens_e, T) <= chosen + B top_k // T, and one each while B <= T.
-    tokens = blocks.token_rows or blocks.block_m
-    shared_tiles = triton.cdiv(shared_inter, blocks.gate_up_cols) * triton.cdiv(batch, tokens)
-    most_chunks = min(batch * top_k, experts)
-    if batch > tokens:
-        most_chunks += batch * top_k // tokens
-    most_tiles = shared_tiles + most_chunks * triton.cdiv(inter, blocks.gate_up_cols)
     k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
     shared_k_per_split, shared_splits = k_splits(hidden, blocks.shared_splits, blocks.gate_up_k)
-    most_items = shared_tiles * shared_splits + (most_tiles - shared_tiles) * splits
+    tokens = blocks.token_rows or blocks.block_m
+    if tokens & (tokens - 1) or (h.is_cuda and tokens < 16):
+        least = " of at least 16 on the GPU" if h.is_cuda else ""
+        raise ValueError(f"fused_moe: token_rows {tokens} must be a power of two{least}")
+    shared_tiles, most_tiles, most_items = gate_up_bounds(
+        batch, top_k, experts, tokens, triton.cdiv(shared_inter, blocks.gate_up_cols),
+        triton.cdiv(inter, blocks.gate_up_cols), splits, shared_splits,
+    )  # fmt: skip
     programs = min(most_items, blocks.gate_up_programs or most_items)
     partial, counters = act, act  # unused unless split
     if max(splits, shared_splits) > 1:

@@ -10,6 +10,7 @@ stand-in there, and the `gpu` tests at the end run the real shard (CuTe DSL incl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -584,19 +585,51 @@ def test_fused_moe_matches_per_token_experts_and_skips_unchosen_ones(
 
 
 @pytest.mark.parametrize("token_rows", [16, 8])
-@pytest.mark.parametrize(("programs", "splits", "shared_splits"), [(0, 1, 1), (3, 3, 2)])
+@pytest.mark.parametrize(
+    ("programs", "splits", "shared_splits"), [(0, 1, 1), (3, 3, 2), (0, 1, 3), (3, 3, 1)]
+)
 def test_fused_moe_gathers_each_experts_tokens_into_tiles_of_token_rows(
     token_rows: int, programs: int, splits: int, shared_splits: int
 ) -> None:
-    """token_rows below the batch: each expert's tokens are gathered into tiles that many rows
-    tall, and an expert with more tokens takes several tiles (chunks) of every feature block
-    and of every down pass. 64 tokens choose 6 of 8 experts, four of them local, so each local
-    expert has about 48 tokens: 3 chunks of 16 or 6 of 8, and the shared expert's 64 are 4 or
-    8; a chunk that skipped, repeated or misplaced a token shows, with the grid capped and the
-    hidden dimension split too."""
+    """token_rows below the batch: the gate_up gathers each expert's tokens into tiles that
+    many rows tall, and an expert with more tokens takes several tiles (chunks) of every
+    feature block (the down kernel keeps its batch-wide tile). 64 tokens choose 6 of 8
+    experts, four of them local, so each local expert has about 48 tokens: 3 chunks of 16 or 6
+    of 8, and the shared expert's 64 are 4 or 8; a chunk that skipped, repeated or misplaced a
+    token shows, also with the grid capped and the hidden dimension split (routed and shared
+    tiles, only the shared, only the routed)."""
     pool = torch.tensor([0, 18, 19, 21, 23, 40, 50, 63])  # local 2, 3, 5 and 7
     blocks = MoeBlocks(64, 32, 128, 128, 64, 4, 1, splits, splits, programs, shared_splits)
     _check_fused_moe(64, pool, dataclasses.replace(blocks, token_rows=token_rows))
+
+
+def test_gate_up_bounds_hold_the_items_of_every_routing() -> None:
+    """The grid, split workspace and counters are sized by gate_up_bounds on the host, before
+    the routing exists; the kernel indexes items and tiles from the counts it finds. For every
+    count vector a batch can make (each token picks top_k distinct experts: an expert has at
+    most B tokens, all of them at most B top_k) the kernel's tiles and items stay within the
+    bounds, and while B <= token_rows some routing reaches them."""
+    blocks, shared_blocks = 3, 2
+    for batch, top_k, experts, tokens in itertools.product(
+        range(1, 7), range(1, 4), range(1, 5), (1, 2, 4, 16)
+    ):
+        for splits, shared_splits in ((1, 1), (3, 2)):
+            bounds = triton_moe.gate_up_bounds(
+                batch, top_k, experts, tokens, shared_blocks, blocks, splits, shared_splits
+            )
+            shared_tiles, most_tiles, most_items = bounds
+            reached = 0
+            for counts in itertools.product(range(batch + 1), repeat=experts):
+                if sum(counts) > batch * top_k:
+                    continue
+                routed_tiles = sum(-(-c // tokens) for c in counts) * blocks
+                assert shared_tiles == shared_blocks * -(-batch // tokens)
+                assert shared_tiles + routed_tiles <= most_tiles, (batch, top_k, counts, tokens)
+                items = shared_tiles * shared_splits + routed_tiles * splits
+                assert items <= most_items
+                reached = max(reached, items)
+            if batch <= tokens:  # above, the bound sums two maxima no one routing reaches
+                assert reached == most_items, (batch, top_k, experts, tokens)
 
 
 def _check_fused_moe(batch: int, pool: torch.Tensor, blocks: MoeBlocks) -> None:
@@ -627,7 +660,7 @@ def _check_fused_moe(batch: int, pool: torch.Tensor, blocks: MoeBlocks) -> None:
         assert torch.equal(again, out)
 
 
-def test_fused_moe_refuses_expert_ids_that_are_not_int32() -> None:
+def test_fused_moe_refuses_int64_ids_and_odd_token_rows() -> None:
     """The kernels build their work list with tl.histogram, which takes 32-bit ints only: int64
     ids (torch's own index type) are refused on the host with a plain message, before Triton
     would fail to compile the kernel."""
@@ -639,6 +672,10 @@ def test_fused_moe_refuses_expert_ids_that_are_not_int32() -> None:
     blocks = MoeBlocks(16, 64, 128, 128, 64, 4, 1)
     with pytest.raises(ValueError, match=r"must be int32, not torch\.int64"):
         fused_moe(h, ids, torch.rand(2, c.top_k), *experts, torch.empty_like(h), 0, blocks)
+    # and a token tile tl.arange cannot make, with a plain message rather than a compile error
+    odd = dataclasses.replace(blocks, token_rows=12)
+    with pytest.raises(ValueError, match="token_rows 12 must be a power of two"):
+        fused_moe(h, ids.int(), torch.rand(2, c.top_k), *experts, torch.empty_like(h), 0, odd)
 
 
 def _expert_weights(c: LayerConfig, gen: torch.Generator) -> Tensors:
@@ -845,15 +882,18 @@ def test_capped_gate_up_grid_gives_the_same_bits_as_one_program_per_item(batch: 
 def test_token_tiles_give_the_batch_wide_tiles_bits_when_experts_hold_many_tokens(
     token_rows: int,
 ) -> None:
-    """The real shard at batch 64 with every token choosing the same 8 local experts: each has
-    64 tokens, so the gate_up runs 4 (or 2) chunks of every feature block of each, and the
-    shared expert too. Each output row's dot products are the same whichever tile row holds
-    the token, so the bits must be those of one 64-row tile per expert (token_rows 0); and near
-    float64 (the MoE sweep's relative error is 0.0017; a token in the wrong row reads ~1)."""
+    """The real shard at batch 64 with every token choosing 8 of the same 10 local experts:
+    each has about 51 tokens, scattered over the batch, so the gate_up gathers 4 (or 2)
+    chunks of every feature block of each, and of the shared expert's. Each output row's dot
+    products are the same whichever tile row holds the token, so on the H200 the bits are those
+    of one 64-row tile per expert (token_rows 0); and near float64 (the MoE sweep's relative
+    error is 0.0017; a token in the wrong row reads ~1)."""
     batch = 64
     c, gen, h, weights, experts = _real_shard_moe(batch)
-    local = torch.randperm(c.experts, generator=gen, device="cuda")[: c.top_k]
-    ids = (local[None, :].repeat(batch, 1) + c.expert_offset).int()
+    pool = torch.randperm(c.experts, generator=gen, device="cuda")[:10] + c.expert_offset
+    ids = torch.stack(
+        [pool[torch.randperm(10, generator=gen, device="cuda")[: c.top_k]] for _ in range(batch)]
+    ).int()
     routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
     plan = fused._moe_blocks(batch, True, 132)
     outs = []

@@ -199,7 +199,7 @@ class RunResults:
     cases: list[CaseEvidence] = field(default_factory=list)
     probes: list[ProbeEvidence] = field(default_factory=list)
     tampering: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # the static pre-screen's findings, ...
+    warnings: list[str] = field(default_factory=list)  # the pre-screen's; evaluate adds the floor's
     decode_check: DecodeCheckEvidence | None = None
 
 

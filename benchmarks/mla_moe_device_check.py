@@ -89,7 +89,7 @@ from kernels.mla_moe_decode.triton_attention import (
     w_uv,
 )
 from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
-from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, route
+from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, moe_down, moe_gate_up, route
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm
 
 Tensors = dict[str, torch.Tensor]
@@ -477,12 +477,15 @@ def _check_moe(
     t: Target,
     blocks: MoeBlocks | None = None,
     shared_only: bool = False,
+    part: str = "both",
 ) -> KernelCheck:
     """Routing drawn uniformly (each token top_k of all experts; one local expert forced for
     the first token); each timing copy draws its own, so consecutive launches read different
     experts, as different layers would. `blocks`: tiles other than the fused path's plan.
     `shared_only`: every token routed to other GPUs' experts, so only the shared expert runs
-    (a third of the layers at batch 1)."""
+    (a third of the layers at batch 1). `part`: "both" kernels, or only the "gate_up" or the
+    "down" timed (each copy's act made beforehand), with that kernel's bytes: which of the two
+    reads below the HBM's rate."""
     plan = blocks or _plan(c, batch, 1024, t).moe
     h = _randn((batch, c.hidden), gen, t)
     routing = torch.rand(batch, c.top_k, generator=gen, device=t.device) / 2
@@ -500,19 +503,40 @@ def _check_moe(
         return {"ids": ids.int()}
 
     copies = [draw() for _ in range(MAX_COPIES if t.on_gpu else 2)]
+    w13, w2, shared_gate_up, shared_down = experts
 
-    def run(s: Tensors) -> None:
+    def gate_up(s: Tensors) -> torch.Tensor:
+        return moe_gate_up(h, s["ids"], w13, shared_gate_up, c.expert_offset, plan)
+
+    def down(s: Tensors) -> None:
+        moe_down(s["act"], s["ids"], routing, w2, shared_down, out, c.expert_offset, plan)
+
+    def both(s: Tensors) -> None:
         fused_moe(h, s["ids"], routing, *experts, out, c.expert_offset, plan)
 
+    run = {"both": both, "gate_up": gate_up, "down": down}[part]
+    if part != "both":  # the act each copy's down reads; the gate_up's errors go through it
+        for copy in copies:
+            copy["act"] = gate_up(copy)
+
     def errors() -> tuple[float, float]:
+        if part == "gate_up":
+            copies[0]["act"] = gate_up(copies[0])
+        if part != "both":
+            down(copies[0])
         return _errors(out, _moe_reference(c, w, h, copies[0]["ids"].long(), routing))
 
     active = [_local_experts(c, copy["ids"]) for copy in copies]
-    per_expert = w["experts_w13"][0].nbytes + w["experts_w2"][0].nbytes
-    shared = w["shared_gate_up"].nbytes + w["shared_down"].nbytes
+    kernels = {"both": ("w13", "w2"), "gate_up": ("w13",), "down": ("w2",)}[part]
+    per_expert = sum(w[f"experts_{name}"][0].nbytes for name in kernels)
+    shared = sum(w[f"shared_{n}"].nbytes for n in ("gate_up", "down") if part in ("both", n))
     moved = round(median([float(n) for n in active]) * per_expert) + shared
     note = f"active local experts per launch {min(active)}-{max(active)}"
-    name = "MoE gate_up+SiLU, down+combine (2 kernels)"
+    name = {
+        "both": "MoE gate_up+SiLU, down+combine (2 kernels)",
+        "gate_up": "MoE gate_up+SiLU alone",
+        "down": "MoE down+combine alone",
+    }[part]
     return KernelCheck(name, "Triton", run, copies[0], moved, errors, note, copies=copies)
 
 
@@ -683,6 +707,12 @@ def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow
     weights = problem.make_weights(_case(1, 1024, t), 0, t.device)
     rows = []
     for batch in batches:
+        # the plan's two kernels, each timed alone with its own bytes, then the tilings
+        for part in ("gate_up", "down"):
+            gen = torch.Generator(device=t.device).manual_seed(batch)
+            build = partial(_check_moe, part=part)
+            rows.append(_soft_kernel(build, problem.config, weights, batch, gen, t))
+            _print_kernel_row(rows[-1])
         block_m = max(16, triton.next_power_of_2(batch))
         for tiles in MOE_TILES_SMALL if batch <= 16 else MOE_TILES_LARGE:
             # at batch 1 also with the shared expert alone: its few programs are then the
@@ -1160,12 +1190,18 @@ def _with_moe(plan: fused.LayerPlan, **change: int) -> fused.LayerPlan:
     return replace(plan, moe=replace(plan.moe, **change))
 
 
+def toggle_gate_up_cap(plan: fused.LayerPlan) -> fused.LayerPlan:
+    """The gate_up grid the other way: one program per item where the plan caps it, capped at
+    2 programs per H200 SM (the plan's cap at batch 5-8) where it does not."""
+    return _with_moe(plan, gate_up_programs=0 if plan.moe.gate_up_programs else 2 * 132)
+
+
 # --sweep-moe-plan: the MoE plan before the seventeenth session, and two of that session's
-# changes undone alone (the capped grid, the down's K steps), each against the plan in the
+# changes undone alone (the gate_up's grid, the down's K steps), each against the plan in the
 # whole layer
 MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan], fused.LayerPlan]] = {
     "moe before": moe_before_seventeenth,
-    "gate_up uncapped": partial(_with_moe, gate_up_programs=0),
+    "gate_up cap toggled": toggle_gate_up_cap,
     "down K 128": partial(_with_moe, down_k=128),
 }
 

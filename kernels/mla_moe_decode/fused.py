@@ -312,10 +312,13 @@ def _moe_blocks(batch: int, on_gpu: bool, sm_count: int) -> MoeBlocks:
     if batch <= 4:
         return MoeBlocks(block_m, 32, 128, 32, 128, num_warps=4, num_stages=4, shared_splits=14)
     # Batch > 4, from the seventeenth session's sweeps (docs/runs/2026-12-04-seventeenth/):
-    # - a gate_up grid of 2 programs per SM that loop over the items: 4 stages leave 2-3 per
-    #   SM, and one program per item ran the ~480 items of batch 8 as a wave and a part of
-    #   one (161.2 µs against 167.1 at batch 8; with the 16-row tiles below, within 0.3% at
-    #   32-64);
+    # - at batch 5-8 a gate_up grid of 2 programs per SM that loop over the items: 4 stages
+    #   leave 2-3 per SM, and one program per item ran the ~480 items of batch 8 as a wave and
+    #   a part of one (the MoE alone: 161.2 µs against 167.1 at batch 8). Above batch 8, one
+    #   program per item: in the whole layer (`--sweep-moe-plan`, moe-plan-layer-3/4) the cap
+    #   was 0.4-3.9% slower at 16-64 and at 12 x 1024, where the MoE alone had them within 1%;
+    #   in the layer the gate_up's programs launch early under programmatic dependent launch
+    #   and wait for routing, and more of them may use that time better (not measured);
     # - the gate_up gathers each expert's tokens into tiles of 16 rows (token_rows): above
     #   batch 16 a local expert has a few tokens, and the batch-wide tile held the rest masked
     #   in shared memory and the MMA (4 stages of (64 + 64) x 128 bf16 at batch 64: 128 KB,
@@ -326,9 +329,10 @@ def _moe_blocks(batch: int, on_gpu: bool, sm_count: int) -> MoeBlocks:
     #   µs at batch 8 / 16 / 32 against 162.9 / 325.2 / 518.8 for steps of 128; at 64 rows two
     #   fit on an SM no more, and batch 64 took 882.2 against 821.6.
     down_k = 256 if block_m <= 32 else 128
+    programs = 2 * sm_count if batch <= 8 else 0
     return MoeBlocks(
         block_m, 32, 128, 32, down_k, num_warps=4, num_stages=4,
-        gate_up_programs=2 * sm_count, token_rows=16,
+        gate_up_programs=programs, token_rows=16,
     )  # fmt: skip
 
 

@@ -654,27 +654,29 @@ def fused_moe(
     -> out (B, D) bf16: the sum over the chosen local experts of weight * SwiGLU_e(h), plus
     SwiGLU_shared(h). A token's ids must be distinct (route's top-k makes them so): the
     gate_up's grid and workspace are sized for that (gate_up_bounds)."""
+    act = moe_gate_up(h, ids, w13, shared_gate_up, expert_offset, blocks)
+    moe_down(act, ids, routing_weights, w2, shared_down, out, expert_offset, blocks)
+
+
+def moe_gate_up(
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    expert_offset: int,
+    blocks: MoeBlocks,
+) -> torch.Tensor:
+    """fused_moe's first kernel: -> act (B, top_k + 1, I) bf16, SiLU(gate) * up of each
+    (token, chosen local expert) in the token's slot of that expert, the shared expert's in
+    slot top_k; the slots of experts on other GPUs are left as they were (never read)."""
     batch, hidden = h.shape
     experts, inter2, _ = w13.shape
-    inter, shared_inter = inter2 // 2, shared_down.shape[1]
+    inter, shared_inter = inter2 // 2, shared_gate_up.shape[0] // 2
     if shared_inter > inter:  # its activations share act's rows, INTER wide
         raise ValueError(f"shared expert intermediate {shared_inter} > routed {inter}")
-    # the kernels histogram the ids, and tl.histogram takes int32 only: say so here, rather than
-    # as a compile error inside the kernel
-    if ids.dtype != torch.int32:
-        raise ValueError(f"fused_moe: expert ids must be int32, not {ids.dtype}")
+    _check_ids(ids)
     top_k = ids.shape[1]
     act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
-    common = dict(
-        TOP_K=top_k,
-        BLOCK_K_SLOTS=triton.next_power_of_2(top_k),
-        BLOCK_IDS=triton.next_power_of_2(batch * top_k),
-        BLOCK_M=blocks.block_m,
-        DOT_F32=not h.is_cuda,
-        BLOCK_E=triton.next_power_of_2(experts),
-        num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages,
-    )
     k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
     shared_k_per_split, shared_splits = k_splits(hidden, blocks.shared_splits, blocks.gate_up_k)
     tokens = blocks.token_rows or blocks.block_m
@@ -717,18 +719,35 @@ def fused_moe(
         SHARED_TILES=triton.cdiv(shared_inter, blocks.gate_up_cols),
         SHARED_SPLITS=shared_splits,
         TOKENS=tokens,
-        **common,
+        **_common_meta(h, ids, experts, blocks),
         **pdl_options(h.device),
     )
+    return act
+
+
+def moe_down(
+    act: torch.Tensor,
+    ids: torch.Tensor,
+    routing_weights: torch.Tensor,
+    w2: torch.Tensor,
+    shared_down: torch.Tensor,
+    out: torch.Tensor,
+    expert_offset: int,
+    blocks: MoeBlocks,
+) -> None:
+    """fused_moe's second kernel: act (B, top_k + 1, I) from moe_gate_up -> out (B, D)."""
+    batch, _, inter = act.shape
+    experts, hidden, _ = w2.shape
+    _check_ids(ids)
     down_k_per_split, down_splits = k_splits(inter, blocks.down_splits, blocks.down_k)
     column_blocks = triton.cdiv(hidden, blocks.down_cols)
     partial, counters = out, out  # unused unless split
     if down_splits > 1:
         tile_size = blocks.block_m * blocks.down_cols
         partial = torch.empty(
-            column_blocks, down_splits, tile_size, device=h.device, dtype=torch.float32
+            column_blocks, down_splits, tile_size, device=act.device, dtype=torch.float32
         )
-        counters = split_counters(h.device, column_blocks)
+        counters = split_counters(act.device, column_blocks)
     _down_kernel[(column_blocks, 1, down_splits)](
         act,
         ids,
@@ -741,13 +760,37 @@ def fused_moe(
         batch,
         hidden,
         inter,
-        shared_inter,
+        shared_down.shape[1],
         experts,
         expert_offset,
         down_k_per_split,
         BLOCK_N=blocks.down_cols,
         BLOCK_K=blocks.down_k,
         K_SPLITS=down_splits,
-        **common,
+        **_common_meta(act, ids, experts, blocks),
         **pdl_options(act.device),
+    )
+
+
+def _check_ids(ids: torch.Tensor) -> None:
+    # the kernels histogram the ids, and tl.histogram takes int32 only: say so here, rather than
+    # as a compile error inside the kernel
+    if ids.dtype != torch.int32:
+        raise ValueError(f"fused_moe: expert ids must be int32, not {ids.dtype}")
+
+
+def _common_meta(
+    x: torch.Tensor, ids: torch.Tensor, experts: int, blocks: MoeBlocks
+) -> dict[str, int | bool]:
+    """The compile-time parameters both MoE kernels take."""
+    top_k = ids.shape[1]
+    return dict(
+        TOP_K=top_k,
+        BLOCK_K_SLOTS=triton.next_power_of_2(top_k),
+        BLOCK_IDS=triton.next_power_of_2(ids.shape[0] * top_k),
+        BLOCK_M=blocks.block_m,
+        DOT_F32=not x.is_cuda,
+        BLOCK_E=triton.next_power_of_2(experts),
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
     )

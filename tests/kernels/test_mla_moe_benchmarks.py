@@ -18,6 +18,7 @@ from benchmarks.mla_moe_device_check import (
     MOE_PLAN_VARIANTS,
     SMALL_KERNEL_VARIANTS,
     moe_before_seventeenth,
+    toggle_gate_up_cap,
     with_plan_value,
 )
 from kernels.mla_moe_decode import fused
@@ -151,7 +152,11 @@ def test_the_moe_plan_before_the_seventeenth_session(batch: int) -> None:
     moe = before.moe
     assert (moe.gate_up_programs, moe.token_rows, moe.down_k) == (0, 0, 128)
     assert moe.num_stages == (4 if batch <= 16 else 3)
-    assert (plan.moe.gate_up_programs, plan.moe.token_rows) == (264, 16)
+    assert (plan.moe.gate_up_programs, plan.moe.token_rows) == (264 if batch <= 8 else 0, 16)
+    # the cap at batch 5-8 only (the seventeenth session's layer sweeps); the sweep's variant
+    # turns it the other way
+    toggled = toggle_gate_up_cap(plan).moe.gate_up_programs
+    assert toggled == (0 if batch <= 8 else 264)
 
 
 def test_with_plan_value_changes_that_kernel_alone() -> None:
@@ -188,3 +193,24 @@ def test_small_kernel_sweep_sets_each_variants_plan_and_restores_the_plan_functi
     assert seen["off"] == plan
     for name, (field_name, value) in SMALL_KERNEL_VARIANTS.items():
         assert seen[name] == with_plan_value(plan, field_name, value) != plan
+
+
+def test_moe_check_times_each_kernel_alone_with_its_own_bytes() -> None:
+    """--sweep-moe's rows for the gate_up alone and the down alone: each reaches the same
+    output as the pair (the down reads the act its copy's gate_up made), and their bytes add
+    up to the pair's, so each kernel's rate can be read against the HBM's."""
+    from kernels.mla_moe_decode.problem import Problem
+
+    problem = Problem(dict(fused.CPU_TEST_CONFIG))
+    t = device_check.Target(torch.device("cpu"), small=True)
+    weights = problem.make_weights(device_check._case(1, 1024, t), 0, t.device)
+    checks = {}
+    for part in ("both", "gate_up", "down"):
+        gen = torch.Generator().manual_seed(3)
+        check = device_check._check_moe(problem.config, weights, 3, gen, t, part=part)
+        row = device_check.run_kernel_check(check, 3, t)
+        assert row.relative_error is not None and row.relative_error < 1e-2, (part, row)
+        assert row.us is not None and row.us > 0
+        checks[part] = check
+    assert checks["gate_up"].bytes_moved + checks["down"].bytes_moved == checks["both"].bytes_moved
+    assert checks["down"].bytes_moved < checks["gate_up"].bytes_moved

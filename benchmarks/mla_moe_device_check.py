@@ -24,6 +24,8 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
     python3 benchmarks/mla_moe_device_check.py --profile-fused  # instead of parts 1 and 2:
         one replay of the fused 3-layer graph under torch.profiler (CUPTI) at batch 1 and 8:
         each kernel's duration and the idle gap before it, middle layer
+    python3 benchmarks/mla_moe_device_check.py --sweep-moe-down  # instead of parts 1 and 2:
+        the MoE pair and its down kernel alone, the plan's and each MOE_DOWN_ITEMS down
     python3 benchmarks/mla_moe_device_check.py --sweep-attention  # instead of parts 1 and 2:
         the split-KV attention + combine alone at batch 1 and 8 in each ATTENTION_VARIANTS tiling
         (--batches 16 64: above batch 8, each ATTENTION_VARIANTS_LARGE tiling)
@@ -723,6 +725,46 @@ def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow
                 build = partial(_check_moe, blocks=blocks, shared_only=shared_only)
                 row = _soft_kernel(build, problem.config, weights, batch, gen, t)
                 row.note = f"tiles {tiles}; {row.note}"
+                rows.append(row)
+                _print_kernel_row(row)
+    return rows
+
+
+# --sweep-moe-down: the down as work items (MoeBlocks.down_programs) against the plan's down,
+# which walks every chosen expert in one program per 32 output columns (224 programs). Timed
+# alone, that down read at 3.76 / 3.25 TB/s at batch 8 / 64 where the gate_up read 4.41 /
+# 4.61 (2026-12-04, docs/runs/2026-12-04-eighteenth/moe-split.json.gz): each program holds
+# a few K steps in flight (4 stages of 32 x 128 bf16 at batch 64: 24 KB; its 64-row act
+# tile, masked, takes as much shared memory again, so 2 fit on an SM) and refills its
+# pipeline at each of ~35 experts. As items, a tile is one expert's tokens gathered 16 at a
+# time, so a stage is (16 + columns) x K, and several programs per SM overlap their refills.
+# (down_cols, down_k, down_programs), on the batch's plan; 132 SMs on the H200:
+MOE_DOWN_ITEMS = [
+    (32, 128, 528),  # 4 stages of (16 + 32) x 128: 48 KB, 4 programs per SM
+    (32, 128, 396),  # 3 per SM
+    (32, 256, 264),  # 96 KB: 2 per SM, twice the bytes in flight each
+    (64, 128, 264),  # 80 KB: 2 per SM
+    (32, 64, 792),  # 24 KB: 6 per SM, smaller steps
+]
+
+
+def sweep_moe_down(problem: Problem, batches: list[int], t: Target) -> list[KernelRow]:
+    """The plan's MoE and each MOE_DOWN_ITEMS down, each as the pair and the down alone."""
+    weights = problem.make_weights(_case(1, 1024, t), 0, t.device)
+    rows = []
+    for batch in batches:
+        plan = _plan(problem.config, batch, 1024, t).moe
+        variants = [plan] + [
+            replace(plan, down_cols=cols, down_k=k, down_programs=programs)
+            for cols, k, programs in MOE_DOWN_ITEMS
+        ]
+        for blocks in variants:
+            for part in ("both", "down"):
+                gen = torch.Generator(device=t.device).manual_seed(batch)
+                build = partial(_check_moe, blocks=blocks, part=part)
+                row = _soft_kernel(build, problem.config, weights, batch, gen, t)
+                down = (blocks.down_cols, blocks.down_k, blocks.down_programs)
+                row.note = f"down (cols, K, programs) {down}; {row.note}"
                 rows.append(row)
                 _print_kernel_row(row)
     return rows
@@ -1474,6 +1516,10 @@ def main() -> None:
         print("== MoE tiles", flush=True)
         kernel_rows = sweep_moe(problem, args.batches or batches, t)
         args.only_kernels = True
+    elif args.sweep_moe_down:
+        print("== MoE down as items", flush=True)
+        kernel_rows = sweep_moe_down(problem, args.batches or batches, t)
+        args.only_kernels = True
     elif args.sweep_router:
         print("== router GEMV + routing", flush=True)
         kernel_rows = sweep_router(problem, args.batches or [1, 8, 64], t)
@@ -1527,6 +1573,11 @@ def _parse_args() -> argparse.Namespace:
         "--sweep-moe", action="store_true", help="instead of parts 1 and 2: the MoE's tiles"
     )
     parser.add_argument(
+        "--sweep-moe-down",
+        action="store_true",
+        help="instead of parts 1 and 2: the MoE with the down as items (MOE_DOWN_ITEMS)",
+    )
+    parser.add_argument(
         "--profile-fused",
         action="store_true",
         help="instead of parts 1 and 2: the fused layer's kernels timed inside its graph",
@@ -1550,10 +1601,9 @@ def _parse_args() -> argparse.Namespace:
         "--batches",
         type=int,
         nargs="+",
-        help="the batches of --sweep-attention, --sweep-moe, --sweep-router, --sweep-combine, "
-        "--profile-fused, --sweep-pdl, --sweep-small-kernels and --sweep-moe-plan (on the GPU by "
-        "default 1 8, "
-        "1 8 64, 1 8 64, 1 8 64, 1 4 8, and the part-2 batches; the other runs ignore it)",
+        help="the batches of the sweeps and --profile-fused (on the GPU by default: attention "
+        "1 8; router and combine 1 8 64; profile 1 4 8; the MoE sweeps and the layer "
+        "comparisons the part-2 batches); the other runs ignore it",
     )
     parser.add_argument(
         "--sweep-pdl",

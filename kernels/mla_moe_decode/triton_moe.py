@@ -84,6 +84,9 @@ class MoeBlocks:
     gate_up_programs: int = 0  # at most this many gate_up programs; 0: one per item
     shared_splits: int = 1  # programs that share one shared-expert feature block over hidden
     token_rows: int = 0  # token rows of one MMA tile (>= 16 on the GPU); 0: block_m
+    # > 0: the down as (tile, column block) items, token_rows tiles, over at most this many
+    # programs (_down_items_kernel); 0: one program per column block walking the experts
+    down_programs: int = 0
 
 
 @triton.jit
@@ -590,6 +593,144 @@ def _down_kernel(
         tl.store(out_at, round_bf16(out), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _down_items_kernel(
+    act_ptr,  # (B, TOP_K + 1, INTER) bf16
+    ids_ptr,  # (B, TOP_K) int32
+    weights_ptr,  # (B, TOP_K) fp32
+    w2_ptr,  # (E, D, INTER) bf16
+    shared_ptr,  # (D, I_S) bf16
+    out_ptr,  # (B, D) bf16 out
+    y_ptr,  # (B, TOP_K + 1, D) fp32 workspace: each (token, slot)'s weighted down row
+    counter_ptr,  # (column blocks,) int32, zero between launches
+    B,
+    D,
+    INTER,
+    I_SHARED,
+    E,
+    expert_offset,
+    TOP_K: tl.constexpr,
+    BLOCK_K_SLOTS: tl.constexpr,
+    BLOCK_IDS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    TOKENS: tl.constexpr,  # token rows per tile
+    BLOCK_SLOTS: tl.constexpr,  # >= TOP_K + 1
+    PDL: tl.constexpr,
+):
+    """The down as work items, as the gate_up runs: a tile is (the shared expert or a chosen
+    local expert, chunk of TOKENS of its tokens), an item is (tile, column block), and a few
+    programs per SM loop over the items, so that one program's pipeline refill at an item's
+    start overlaps the others' streaming. Each item stores its tokens' weighted rows into y at
+    (token, slot); the last item of a column block to finish sums each token's slots (the
+    shared expert's is slot TOP_K) and writes out. Deterministic: one writer per y row, and
+    the sum's order is fixed."""
+    wait_for_previous_kernel(PDL)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < B
+    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
+    _rank, _n_chosen, counts = _chosen_local_experts(
+        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
+    )
+    bins = tl.arange(0, 2 * BLOCK_E)
+    chunks = tl.cdiv(counts, TOKENS)  # (2 BLOCK_E,) tiles per expert, 0 for the unchosen
+    expert_ends = tl.cumsum(chunks, axis=0)
+    shared_tiles = tl.cdiv(B, TOKENS)
+    n_tiles = shared_tiles + tl.sum(chunks, axis=0)
+    column_blocks = tl.cdiv(D, BLOCK_N)
+    for item in range(tl.program_id(0), n_tiles * column_blocks, tl.num_programs(0)):
+        # tile-major: consecutive items stream one expert's weight rows in order
+        tile = item // column_blocks
+        col_block = item % column_blocks
+        is_shared = tile < shared_tiles
+        in_part = tl.where(is_shared, tile, tile - shared_tiles)
+        expert = tl.sum((expert_ends <= in_part).to(tl.int32), axis=0)
+        expert_first = tl.sum(tl.where(bins == expert, expert_ends - chunks, 0), axis=0)
+        chunk = tl.where(is_shared, tile, in_part - expert_first)
+        chosen, slot, _match = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
+        chosen = tl.where(is_shared, row_mask, chosen)
+        slot = tl.where(is_shared, TOP_K, slot)
+        token, token_slot, valid, _where = _compact_rows(
+            chosen, slot, chunk * TOKENS, BLOCK_M, TOKENS
+        )
+        routing_weight = tl.load(
+            weights_ptr + token * TOP_K + token_slot, mask=valid & (token_slot < TOP_K), other=1.0
+        )  # (TOKENS,): the shared expert's is 1
+        inter = tl.where(is_shared, I_SHARED, INTER)
+        w_base = tl.where(is_shared, shared_ptr, w2_ptr + expert.to(tl.int64) * D * INTER)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < D
+        y_rows = token * (TOP_K + 1) + token_slot  # (TOKENS,): the act row, and the y row
+        acc = tl.zeros((TOKENS, BLOCK_N), dtype=tl.float32)
+        for first in range(0, inter, BLOCK_K):
+            ks = first + tl.arange(0, BLOCK_K)
+            k_mask = ks < inter
+            act = tl.load(
+                act_ptr + y_rows[:, None] * INTER + ks[None, :],
+                mask=valid[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # (TOKENS, BLOCK_K)
+            w = tl.load(
+                w_base + cols[:, None] * inter + ks[None, :],
+                mask=col_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # (BLOCK_N, BLOCK_K)
+            acc = mma(act, tl.trans(w), acc, DOT_F32)
+        y_at = y_ptr + y_rows[:, None].to(tl.int64) * D + cols[None, :]
+        tl.store(y_at, acc * routing_weight[:, None], mask=valid[:, None] & col_mask[None, :])
+        tl.debug_barrier()  # every thread's store issued before the release below
+        arrived = tl.atomic_add(counter_ptr + col_block, 1, sem="acq_rel")
+        if arrived == n_tiles - 1:
+            _sum_slots(
+                y_ptr, ids_ptr, out_ptr, B, D, E, expert_offset, cols, col_mask, TOP_K, TOKENS,
+                BLOCK_SLOTS,
+            )  # fmt: skip
+            tl.atomic_xchg(counter_ptr + col_block, 0)
+
+
+@triton.jit
+def _sum_slots(
+    y_ptr,
+    ids_ptr,
+    out_ptr,
+    B,
+    D,
+    E,
+    expert_offset,
+    cols,
+    col_mask,
+    TOP_K: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK_SLOTS: tl.constexpr,
+):
+    """out[:, cols] = each token's y rows of its local experts' slots and the shared slot,
+    summed (in one fixed order) and rounded once, TOKENS rows at a time. Reads y from L2 (.cg),
+    where the other programs' stores are."""
+    slots = tl.arange(0, BLOCK_SLOTS)
+    for first in range(0, B, TOKENS):
+        rows = first + tl.arange(0, TOKENS)
+        row_mask = rows < B
+        local = tl.load(
+            ids_ptr + rows[:, None] * TOP_K + slots[None, :],
+            mask=row_mask[:, None] & (slots < TOP_K)[None, :],
+            other=-1,
+        ) - expert_offset  # fmt: skip
+        written = ((local >= 0) & (local < E)) | (slots == TOP_K)[None, :]
+        written = written & row_mask[:, None]  # (TOKENS, BLOCK_SLOTS): the y rows stored
+        y_rows = rows[:, None] * (TOP_K + 1) + slots[None, :]
+        y = tl.load(
+            y_ptr + y_rows[:, :, None].to(tl.int64) * D + cols[None, None, :],
+            mask=written[:, :, None] & col_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # (TOKENS, BLOCK_SLOTS, BLOCK_N)
+        out_at = out_ptr + rows[:, None] * D + cols[None, :]
+        tl.store(out_at, round_bf16(tl.sum(y, axis=1)), mask=row_mask[:, None] & col_mask[None, :])
+
+
 _counters: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []  # smaller counter buffers graphs captured earlier may hold
 
@@ -739,6 +880,9 @@ def moe_down(
     batch, _, inter = act.shape
     experts, hidden, _ = w2.shape
     _check_ids(ids)
+    if blocks.down_programs > 0:
+        _down_items(act, ids, routing_weights, w2, shared_down, out, expert_offset, blocks)
+        return
     down_k_per_split, down_splits = k_splits(inter, blocks.down_splits, blocks.down_k)
     column_blocks = triton.cdiv(hidden, blocks.down_cols)
     partial, counters = out, out  # unused unless split
@@ -767,6 +911,51 @@ def moe_down(
         BLOCK_N=blocks.down_cols,
         BLOCK_K=blocks.down_k,
         K_SPLITS=down_splits,
+        **_common_meta(act, ids, experts, blocks),
+        **pdl_options(act.device),
+    )
+
+
+def _down_items(
+    act: torch.Tensor,
+    ids: torch.Tensor,
+    routing_weights: torch.Tensor,
+    w2: torch.Tensor,
+    shared_down: torch.Tensor,
+    out: torch.Tensor,
+    expert_offset: int,
+    blocks: MoeBlocks,
+) -> None:
+    """moe_down with the down as items (blocks.down_programs > 0): _down_items_kernel."""
+    batch, slots, inter = act.shape
+    experts, hidden, _ = w2.shape
+    top_k = ids.shape[1]
+    if blocks.down_splits != 1:
+        raise ValueError("fused_moe: the down's items are whole; down_splits must be 1")
+    tokens = blocks.token_rows or blocks.block_m
+    _, most_tiles, _ = gate_up_bounds(batch, top_k, experts, tokens, 1, 1, 1, 1)
+    column_blocks = triton.cdiv(hidden, blocks.down_cols)
+    programs = min(most_tiles * column_blocks, blocks.down_programs)
+    y = torch.empty(batch, slots, hidden, device=act.device, dtype=torch.float32)
+    _down_items_kernel[(programs,)](
+        act,
+        ids,
+        routing_weights,
+        w2,
+        shared_down,
+        out,
+        y,
+        split_counters(act.device, column_blocks),
+        batch,
+        hidden,
+        inter,
+        shared_down.shape[1],
+        experts,
+        expert_offset,
+        BLOCK_N=blocks.down_cols,
+        BLOCK_K=blocks.down_k,
+        TOKENS=tokens,
+        BLOCK_SLOTS=triton.next_power_of_2(top_k + 1),
         **_common_meta(act, ids, experts, blocks),
         **pdl_options(act.device),
     )

@@ -603,6 +603,32 @@ def test_fused_moe_gathers_each_experts_tokens_into_tiles_of_token_rows(
     _check_fused_moe(64, pool, dataclasses.replace(blocks, token_rows=token_rows))
 
 
+@pytest.mark.parametrize(("down_programs", "down_cols"), [(1, 128), (5, 16), (1000, 64)])
+@pytest.mark.parametrize(("batch", "token_rows"), [(1, 16), (2, 16), (3, 16), (64, 16), (64, 8)])
+def test_fused_moe_down_as_items_matches_the_experts(
+    batch: int, token_rows: int, down_programs: int, down_cols: int
+) -> None:
+    """down_programs > 0: the down runs as (tile, column block) items over that many programs,
+    each storing its tokens' weighted rows into a workspace that the column block's last item
+    sums. One program doing every item in turn, 5 programs looping (16 columns: 8 column
+    blocks, so a column block's items land on different programs), or one program per item
+    (64 columns: a column block past the hidden dim's end is masked). The pools of the
+    test above: at batch 2 no local expert at all (the shared expert's tiles alone), at 64
+    several chunks per expert. A slot summed twice, a token's row missed, a weight not applied
+    or an unchosen expert's NaN weights read all show against float64."""
+    pool = {
+        1: [0, 22, 23, 40, 50, 63],
+        2: [0, 1, 2, 40, 50, 63],
+        3: [0, 21, 23, 40, 50, 63],
+        64: [0, 18, 19, 21, 23, 40, 50, 63],
+    }[batch]
+    blocks = MoeBlocks(
+        16 if batch <= 16 else 64, 32, 128, down_cols, 64, 4, 1,
+        token_rows=token_rows, down_programs=down_programs,
+    )  # fmt: skip
+    _check_fused_moe(batch, torch.tensor(pool), blocks)
+
+
 def test_gate_up_bounds_hold_the_items_of_every_routing() -> None:
     """The grid, split workspace and counters are sized by gate_up_bounds on the host, before
     the routing exists; the kernel indexes items and tiles from the counts it finds. For every
@@ -653,7 +679,8 @@ def _check_fused_moe(batch: int, pool: torch.Tensor, blocks: MoeBlocks) -> None:
     # the reference already rounds the activation; what remains is the final rounding (a
     # second rounding of gate/up, say, would read about 4e-3 here)
     assert _relative(out, expected) <= 1.2 * _relative(expected.to(BF16), expected)
-    if max(blocks.gate_up_splits, blocks.shared_splits, blocks.down_splits) > 1:
+    counted = max(blocks.gate_up_splits, blocks.shared_splits, blocks.down_splits) > 1
+    if counted or blocks.down_programs > 0:
         assert not triton_moe._counters[CPU].any()  # every tile left its counter at zero
         again = torch.empty_like(h)
         fused_moe(h, ids.int(), routing, *experts, again, c.expert_offset, blocks)

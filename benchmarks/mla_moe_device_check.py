@@ -1224,8 +1224,18 @@ def moe_before_seventeenth(plan: fused.LayerPlan) -> fused.LayerPlan:
     if moe.shared_splits > 1:  # batch <= 4
         return plan
     stages = 4 if moe.block_m <= 16 else 3
-    before = replace(moe, gate_up_programs=0, token_rows=0, down_k=128, num_stages=stages)
+    before = replace(
+        moe, gate_up_programs=0, token_rows=0, down_k=128, num_stages=stages, down_programs=0
+    )
     return replace(plan, moe=before)
+
+
+def down_walker(plan: fused.LayerPlan) -> fused.LayerPlan:
+    """The plan with the down of run 18 (one program per 32 output columns, walking every
+    chosen expert; K steps of 256 while the batch-wide token tile is at most 32 rows) instead
+    of the down as items."""
+    down_k = 256 if plan.moe.block_m <= 32 else 128
+    return _with_moe(plan, down_programs=0, down_k=down_k)
 
 
 def _with_moe(plan: fused.LayerPlan, **change: int) -> fused.LayerPlan:
@@ -1238,13 +1248,12 @@ def toggle_gate_up_cap(plan: fused.LayerPlan) -> fused.LayerPlan:
     return _with_moe(plan, gate_up_programs=0 if plan.moe.gate_up_programs else 2 * 132)
 
 
-# --sweep-moe-plan: the MoE plan before the seventeenth session, and two of that session's
-# changes undone alone (the gate_up's grid, the down's K steps), each against the plan in the
-# whole layer
+# --sweep-moe-plan: the MoE plan before the seventeenth session, the gate_up's grid the other
+# way, and the down of run 18, each against the plan in the whole layer
 MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan], fused.LayerPlan]] = {
     "moe before": moe_before_seventeenth,
     "gate_up cap toggled": toggle_gate_up_cap,
-    "down K 128": partial(_with_moe, down_k=128),
+    "down walker": down_walker,
 }
 
 

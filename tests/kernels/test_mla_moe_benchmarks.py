@@ -17,6 +17,7 @@ from benchmarks import mla_moe_device_check as device_check
 from benchmarks.mla_moe_device_check import (
     MOE_PLAN_VARIANTS,
     SMALL_KERNEL_VARIANTS,
+    down_walker,
     moe_before_seventeenth,
     toggle_gate_up_cap,
     with_plan_value,
@@ -150,7 +151,10 @@ def test_the_moe_plan_before_the_seventeenth_session(batch: int) -> None:
         assert before == plan
         return
     moe = before.moe
-    assert (moe.gate_up_programs, moe.token_rows, moe.down_k) == (0, 0, 128)
+    assert (moe.gate_up_programs, moe.token_rows, moe.down_k, moe.down_programs) == (0, 0, 128, 0)
+    assert plan.moe.down_programs == 528  # the down as items, 4 programs per SM
+    walker = down_walker(plan).moe
+    assert (walker.down_programs, walker.down_k) == (0, 256 if batch == 8 else 128)
     assert moe.num_stages == (4 if batch <= 16 else 3)
     assert (plan.moe.gate_up_programs, plan.moe.token_rows) == (264 if batch <= 8 else 0, 16)
     # the cap at batch 5-8 only (the seventeenth session's layer sweeps); the sweep's variant

@@ -854,7 +854,9 @@ def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(
         local = local + c.experts
     ids = (local[None, :].repeat(batch, 1) + c.expert_offset).int()  # the same for every token
     routing = torch.rand(batch, ids.shape[1], generator=gen, device="cuda") / 4
+    # the split down is the walker's (the down as items keeps its items whole)
     plain = dataclasses.replace(fused._moe_blocks(batch, True, 132), shared_splits=1)
+    plain = dataclasses.replace(plain, down_programs=0)
     split = dataclasses.replace(plain, gate_up_splits=4, down_splits=4, shared_splits=7)
     unsplit_out = torch.empty_like(h)
     fused_moe(h, ids, routing, *experts, unsplit_out, c.expert_offset, plain)
@@ -935,3 +937,43 @@ def test_token_tiles_give_the_batch_wide_tiles_bits_when_experts_hold_many_token
         [_moe_reference(c, weights, h[b], local_ids[b], routing[b]) for b in range(batch)]
     )
     assert _relative(outs[1], expected) < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [5, 8, 64])
+def test_down_as_items_on_the_real_shard_is_as_close_to_float64_and_replays_the_same_bits(
+    batch: int,
+) -> None:
+    """The down as items (down_programs) on the H200, with the tokens' own routing: as close
+    to float64 as the plan's down (the slots are summed in another order, so the bits may
+    differ), the same bits on every graph replay (one writer per workspace row, a fixed sum),
+    and its counters back at zero."""
+    c, gen, h, weights, experts = _real_shard_moe(batch)
+    ids = torch.stack(
+        [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
+    ).int()
+    ids[0, 0] = c.expert_offset + 5  # at least one local expert
+    routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
+    plan = fused._moe_blocks(batch, True, 132)
+    items = dataclasses.replace(plan, down_programs=528, down_k=128)
+    plan_out = torch.empty_like(h)
+    fused_moe(h, ids, routing, *experts, plan_out, c.expert_offset, plan)
+    out = torch.empty_like(h)
+    fused_moe(h, ids, routing, *experts, out, c.expert_offset, items)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(h, ids, routing, *experts, out, c.expert_offset, items)
+    replays = []
+    for _ in range(4):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(out.clone())
+        assert not triton_moe._counters[h.device].any()
+    assert all(torch.equal(r, replays[0]) for r in replays)
+    local_ids = ids.long() - c.expert_offset
+    expected = torch.stack(
+        [_moe_reference(c, weights, h[b], local_ids[b], routing[b]) for b in range(batch)]
+    )
+    items_error, plan_error = _relative(replays[0], expected), _relative(plan_out, expected)
+    assert items_error <= 1.2 * plan_error + 1e-4, (items_error, plan_error)

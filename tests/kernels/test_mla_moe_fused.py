@@ -945,19 +945,20 @@ def test_down_as_items_on_the_real_shard_is_as_close_to_float64_and_replays_the_
     batch: int,
 ) -> None:
     """The down as items (down_programs) on the H200, with the tokens' own routing: as close
-    to float64 as the plan's down (the slots are summed in another order, so the bits may
-    differ), the same bits on every graph replay (one writer per workspace row, a fixed sum),
-    and its counters back at zero."""
+    to float64 as run 18's down, the walker (the slots are summed in another order, so the
+    bits may differ), the same bits on every graph replay (one writer per workspace row, a
+    fixed sum), and its counters back at zero."""
     c, gen, h, weights, experts = _real_shard_moe(batch)
     ids = torch.stack(
         [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
     ).int()
     ids[0, 0] = c.expert_offset + 5  # at least one local expert
     routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
-    plan = fused._moe_blocks(batch, True, 132)
-    items = dataclasses.replace(plan, down_programs=528, down_k=128)
+    items = fused._moe_blocks(batch, True, 132)
+    assert items.down_programs > 0
+    walker = dataclasses.replace(items, down_programs=0)
     plan_out = torch.empty_like(h)
-    fused_moe(h, ids, routing, *experts, plan_out, c.expert_offset, plan)
+    fused_moe(h, ids, routing, *experts, plan_out, c.expert_offset, walker)
     out = torch.empty_like(h)
     fused_moe(h, ids, routing, *experts, out, c.expert_offset, items)
     graph = torch.cuda.CUDAGraph()

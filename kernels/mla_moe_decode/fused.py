@@ -299,7 +299,7 @@ def _moe_blocks(batch: int, on_gpu: bool, sm_count: int) -> MoeBlocks:
         return MoeBlocks(block_m, 64, 128, 128, 64, num_warps=4, num_stages=1)
     # From `mla_moe_device_check.py --sweep-moe` on the H200 (docs/mla_moe_notes.md). Batch
     # <= 16: 32 features (64 weight rows) per gate_up program, 32 outputs per down program, K
-    # steps of 128, 4 stages: 82 / 175 µs at batch 1 / 8
+    # steps of 128 (the down's 256 above batch 4, below), 4 stages: 82 / 175 µs at batch 1 / 8
     # in the 2026-12-03 sweep of 15 tilings, against 90 / 175 for 16 features and 6 stages (the
     # earlier pick), and 111-274 µs at batch 1 with every item split over K (so the routed
     # experts' items stay whole).
@@ -312,30 +312,28 @@ def _moe_blocks(batch: int, on_gpu: bool, sm_count: int) -> MoeBlocks:
     if batch <= 4:
         return MoeBlocks(block_m, 32, 128, 32, 128, num_warps=4, num_stages=4, shared_splits=14)
     # Batch > 4, from the seventeenth session's sweeps (docs/runs/2026-12-04-seventeenth/):
-    # - at batch 5-8 a gate_up grid of 2 programs per SM that loop over the items: 4 stages
-    #   leave 2-3 per SM, and one program per item ran the ~480 items of batch 8 as a wave and
-    #   a part of one (the MoE alone: 161.2 µs against 167.1 at batch 8). Above batch 8, one
-    #   program per item: in the whole layer (`--sweep-moe-plan`, moe-plan-layer-3/4) the cap
-    #   was 0.4-3.9% slower at 16-64 and at 12 x 1024, where the MoE alone had them within 1%;
-    #   in the layer the gate_up's programs launch early under programmatic dependent launch
-    #   and wait for routing, and more of them may use that time better (not measured);
+    # - a gate_up grid of 2 programs per SM that loop over the items: 4 stages leave 2-3 per
+    #   SM, and one program per item ran the ~480 items of batch 8 as a wave and a part of
+    #   one (161.2 µs against 167.1 at batch 8; with the 16-row tiles below, within 0.3% at
+    #   32-64);
     # - the gate_up gathers each expert's tokens into tiles of 16 rows (token_rows): above
     #   batch 16 a local expert has a few tokens, and the batch-wide tile held the rest masked
     #   in shared memory and the MMA (4 stages of (64 + 64) x 128 bf16 at batch 64: 128 KB,
     #   one program per SM). With 16-row tiles and 4 stages: 819.7 / 725.9 µs at batch 64 /
     #   48 against 891.2 / 787.4 for the batch-wide tile and 3 stages;
-    # - the down as work items (down_programs; the eighteenth session, docs/runs/
-    #   2026-12-04-eighteenth/): timed alone, the down that walked every chosen expert in one
-    #   program per 32 output columns read at 3.79 / 3.19 / 3.27 TB/s at batch 8 / 32 / 64,
-    #   where the gate_up read 4.4-4.6. As (expert tile of 16 gathered tokens, 32 columns)
-    #   items, K steps of 128, 4 programs per SM: 58.5 / 174.1 / 272.4 µs against 59.0 /
-    #   213.0 / 337.7 (3.83 / 3.90 / 4.06 TB/s), the MoE pair 753.0 µs at batch 64 against
-    #   817.0 and 478.4 at 32 against 517.1; within 1% at 8 and 16. (64 columns over 2
-    #   programs per SM: the same within 1%; K steps of 256 over 2, or 64 over 6: slower.)
-    programs = 2 * sm_count if batch <= 8 else 0
+    # - down K steps of 256 while the down's token tile is at most 32 rows (its rows stay the
+    #   batch's, masked): 161.6 / 318.3 / 516.1 µs at batch 8 / 16 / 32 against 162.9 / 325.2
+    #   / 518.8 for steps of 128; at 64 rows two fit on an SM no more, and batch 64 took 882.2
+    #   against 821.6.
+    # This is run 18's plan, the last one validated. Measured since, not yet validated (the
+    # eighteenth session lost its machine in the validate): the down as work items
+    # (down_programs = 4 per SM, K steps of 128) and the gate_up's cap at batch 5-8 only,
+    # 4-7% faster per layer at batch 32-64 in `--sweep-moe-plan` (benchmark's
+    # `candidate_moe_plan`; docs/benchmarks.md, "The MoE's down as work items").
+    down_k = 256 if block_m <= 32 else 128
     return MoeBlocks(
-        block_m, 32, 128, 32, 128, num_warps=4, num_stages=4,
-        gate_up_programs=programs, token_rows=16, down_programs=4 * sm_count,
+        block_m, 32, 128, 32, down_k, num_warps=4, num_stages=4,
+        gate_up_programs=2 * sm_count, token_rows=16,
     )  # fmt: skip
 
 

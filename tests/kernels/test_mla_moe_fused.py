@@ -954,9 +954,8 @@ def test_down_as_items_on_the_real_shard_is_as_close_to_float64_and_replays_the_
     ).int()
     ids[0, 0] = c.expert_offset + 5  # at least one local expert
     routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
-    items = fused._moe_blocks(batch, True, 132)
-    assert items.down_programs > 0
-    walker = dataclasses.replace(items, down_programs=0)
+    walker = dataclasses.replace(fused._moe_blocks(batch, True, 132), down_programs=0)
+    items = dataclasses.replace(walker, down_programs=528, down_k=128)  # the candidate's down
     plan_out = torch.empty_like(h)
     fused_moe(h, ids, routing, *experts, plan_out, c.expert_offset, walker)
     out = torch.empty_like(h)

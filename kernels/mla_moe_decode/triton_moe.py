@@ -34,15 +34,24 @@
               tile and a fixed order: deterministic, no atomics, no partial buffers. Split K
               (down_splits > 1): each split takes its part of every expert's intermediate
               dimension, and the last split of a tile sums them as gate_up's splits do.
+    down as items (down_programs > 0; measured, not yet in the validated plan): item
+              (tile, column block), a tile being the shared expert's or a chosen expert's
+              chunk of token_rows gathered tokens, as in gate_up; a few programs per SM loop
+              over the items, so that one program's pipeline refill at an item's start
+              overlaps the others' streaming (the walker refills at every expert with one or
+              two programs per SM, and read at 3.2-3.8 TB/s where the gate_up read 4.4-4.6).
+              Each item stores its tokens' weighted rows in an fp32 workspace at (token,
+              slot); the column block's last item sums each token's slots and writes out.
 
 Tokens are never sorted. The gate_up gathers an expert's tokens into tiles of token_rows rows
 (a chunk; an expert with more tokens has several, whose items come one after another so that
 all but the first read the weights from L2): at batch 64 a local expert has one or two tokens,
 and a tile of all 64 rows, the rest masked, took shared memory and MMA slots that a deeper
-pipeline needs (docs/mla_moe_notes.md, seventeenth session). The down kernel loads all B rows
-of act with a mask that keeps only the expert's tokens (masked rows move no memory): gathering
-them there too meant putting each tile row back in its token's row of the output, by a small
-fp32 matrix product per expert, and that cost more than it saved. Weights of experts routed to
+pipeline needs (docs/mla_moe_notes.md, seventeenth session). The walking down kernel loads all
+B rows of act with a mask that keeps only the expert's tokens (masked rows move no memory):
+gathering them there meant putting each tile row back in its token's row of the output, by a
+small fp32 matrix product per expert, and that cost more than it saved; the down as items puts
+them back through the workspace instead. Weights of experts routed to
 other GPUs' experts are normalized with the rest (as the stock path does) and then simply never
 match a local expert.
 Precision (ROUNDING in triton_common.py): router logits fp32; gate/up stay fp32, and SiLU-and-mul

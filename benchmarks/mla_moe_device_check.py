@@ -508,8 +508,8 @@ def _check_moe(
     copies = [draw() for _ in range(MAX_COPIES if t.on_gpu else 2)]
     w13, w2, shared_gate_up, shared_down = experts
 
-    def gate_up(s: Tensors) -> torch.Tensor:
-        return moe_gate_up(h, s["ids"], w13, shared_gate_up, c.expert_offset, plan)
+    def gate_up(s: Tensors) -> None:
+        s["act"] = moe_gate_up(h, s["ids"], w13, shared_gate_up, c.expert_offset, plan)
 
     def down(s: Tensors) -> None:
         moe_down(s["act"], s["ids"], routing, w2, shared_down, out, c.expert_offset, plan)
@@ -520,11 +520,11 @@ def _check_moe(
     run = {"both": both, "gate_up": gate_up, "down": down}[part]
     if part != "both":  # the act each copy's down reads; the gate_up's errors go through it
         for copy in copies:
-            copy["act"] = gate_up(copy)
+            gate_up(copy)
 
     def errors() -> tuple[float, float]:
         if part == "gate_up":
-            copies[0]["act"] = gate_up(copies[0])
+            gate_up(copies[0])
         if part != "both":
             down(copies[0])
         return _errors(out, _moe_reference(c, w, h, copies[0]["ids"].long(), routing))

@@ -860,27 +860,48 @@ def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(
     split = dataclasses.replace(plain, gate_up_splits=4, down_splits=4, shared_splits=7)
     unsplit_out = torch.empty_like(h)
     fused_moe(h, ids, routing, *experts, unsplit_out, c.expert_offset, plain)
+    split_out = _replayed_moe(h, ids, routing, experts, c.expert_offset, split, replays=5)
+    # Split and unsplit differ in fp32 summation order, which flips some bf16 roundings of the
+    # activation; so the split result must be as close to float64 as the unsplit one.
+    expected = _shard_moe_reference(c, weights, h, ids, routing)
+    split_error, unsplit_error = _relative(split_out, expected), _relative(unsplit_out, expected)
+    assert split_error <= 1.5 * unsplit_error + 1e-4, (split_error, unsplit_error)
+
+
+def _replayed_moe(
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    routing: torch.Tensor,
+    experts: list,
+    expert_offset: int,
+    blocks: MoeBlocks,
+    replays: int,
+) -> torch.Tensor:
+    """fused_moe captured in a CUDA graph (after a call that makes its counters) and replayed:
+    every replay gives the same bits and leaves the counters at zero. The output."""
     out = torch.empty_like(h)
-    fused_moe(h, ids, routing, *experts, out, c.expert_offset, split)  # warm-up: counters made
+    fused_moe(h, ids, routing, *experts, out, expert_offset, blocks)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(h, ids, routing, *experts, out, c.expert_offset, split)
-    replays = []
-    for _ in range(5):
+        fused_moe(h, ids, routing, *experts, out, expert_offset, blocks)
+    outs = []
+    for _ in range(replays):
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        replays.append(out.clone())
+        outs.append(out.clone())
         assert not triton_moe._counters[h.device].any()
-    assert all(torch.equal(r, replays[0]) for r in replays)
-    # Split and unsplit differ in fp32 summation order, which flips some bf16 roundings of the
-    # activation; so the split result must be as close to float64 as the unsplit one.
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    return outs[0]
+
+
+def _shard_moe_reference(
+    c: LayerConfig, weights: Tensors, h: torch.Tensor, ids: torch.Tensor, routing: torch.Tensor
+) -> torch.Tensor:
+    """_moe_reference for each token of the batch, ids global."""
     local_ids = ids.long() - c.expert_offset
-    expected = torch.stack(
-        [_moe_reference(c, weights, h[b], local_ids[b], routing[b]) for b in range(batch)]
-    )
-    split_error, unsplit_error = _relative(replays[0], expected), _relative(unsplit_out, expected)
-    assert split_error <= 1.5 * unsplit_error + 1e-4, (split_error, unsplit_error)
+    rows = [_moe_reference(c, weights, h[b], local_ids[b], routing[b]) for b in range(len(h))]
+    return torch.stack(rows)
 
 
 @pytest.mark.gpu
@@ -932,11 +953,7 @@ def test_token_tiles_give_the_batch_wide_tiles_bits_when_experts_hold_many_token
         fused_moe(h, ids, routing, *experts, out, c.expert_offset, blocks)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
-    local_ids = ids.long() - c.expert_offset
-    expected = torch.stack(
-        [_moe_reference(c, weights, h[b], local_ids[b], routing[b]) for b in range(batch)]
-    )
-    assert _relative(outs[1], expected) < 0.01
+    assert _relative(outs[1], _shard_moe_reference(c, weights, h, ids, routing)) < 0.01
 
 
 @pytest.mark.gpu
@@ -956,24 +973,9 @@ def test_down_as_items_on_the_real_shard_is_as_close_to_float64_and_replays_the_
     routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
     walker = dataclasses.replace(fused._moe_blocks(batch, True, 132), down_programs=0)
     items = dataclasses.replace(walker, down_programs=528, down_k=128)  # the candidate's down
-    plan_out = torch.empty_like(h)
-    fused_moe(h, ids, routing, *experts, plan_out, c.expert_offset, walker)
-    out = torch.empty_like(h)
-    fused_moe(h, ids, routing, *experts, out, c.expert_offset, items)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_moe(h, ids, routing, *experts, out, c.expert_offset, items)
-    replays = []
-    for _ in range(4):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        replays.append(out.clone())
-        assert not triton_moe._counters[h.device].any()
-    assert all(torch.equal(r, replays[0]) for r in replays)
-    local_ids = ids.long() - c.expert_offset
-    expected = torch.stack(
-        [_moe_reference(c, weights, h[b], local_ids[b], routing[b]) for b in range(batch)]
-    )
-    items_error, plan_error = _relative(replays[0], expected), _relative(plan_out, expected)
-    assert items_error <= 1.2 * plan_error + 1e-4, (items_error, plan_error)
+    walker_out = torch.empty_like(h)
+    fused_moe(h, ids, routing, *experts, walker_out, c.expert_offset, walker)
+    items_out = _replayed_moe(h, ids, routing, experts, c.expert_offset, items, replays=4)
+    expected = _shard_moe_reference(c, weights, h, ids, routing)
+    items_error, walker_error = _relative(items_out, expected), _relative(walker_out, expected)
+    assert items_error <= 1.2 * walker_error + 1e-4, (items_error, walker_error)

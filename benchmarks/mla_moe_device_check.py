@@ -735,8 +735,8 @@ def sweep_moe(problem: Problem, batches: list[int], t: Target) -> list[KernelRow
 # which walks every chosen expert in one program per 32 output columns (224 programs). Timed
 # alone, that down read at 3.76 / 3.25 TB/s at batch 8 / 64 where the gate_up read 4.41 /
 # 4.61 (2026-12-04, docs/runs/2026-12-04-eighteenth/moe-split.json.gz): each program holds
-# a few K steps in flight (4 stages of 32 x 128 bf16 at batch 64: 24 KB; its 64-row act
-# tile, masked, takes as much shared memory again, so 2 fit on an SM) and refills its
+# 3 weight tiles in flight (4 stages of 32 x 128 bf16 at batch 64, 8 KB each; its 64-row act
+# tile, masked, takes twice that shared memory again, so 2 fit on an SM) and refills its
 # pipeline at each of ~35 experts. As items, a tile is one expert's tokens gathered 16 at a
 # time, so a stage is (16 + columns) x K, and several programs per SM overlap their refills.
 # (down_cols, down_k, down_programs), on the batch's plan; 132 SMs on the H200:

@@ -227,3 +227,17 @@ def test_moe_check_times_each_kernel_alone_with_its_own_bytes() -> None:
         checks[part] = check
     assert checks["gate_up"].bytes_moved + checks["down"].bytes_moved == checks["both"].bytes_moved
     assert checks["down"].bytes_moved < checks["gate_up"].bytes_moved
+
+
+def test_moe_down_sweep_times_each_down_as_the_pair_and_alone(tmp_path: Path) -> None:
+    out = tmp_path / "moe_down.json"
+    args = ("--small", "--quick", "--sweep-moe-down", "--batches", "3", "--out", str(out))
+    _run("mla_moe_device_check.py", *args)
+    rows = json.loads(out.read_text())["kernels"]
+    # the plan's down (the walker on the CPU plan) and each MOE_DOWN_ITEMS down, each twice
+    downs = [r["note"].split(";")[0] for r in rows[::2]]
+    assert len(downs) == 1 + len(device_check.MOE_DOWN_ITEMS)
+    assert downs[0].endswith(", 0)")
+    assert [r["kernel"].endswith("alone") for r in rows] == [False, True] * len(downs)
+    for row in rows:
+        assert row["error"] is None and row["relative_error"] < 1e-2, row

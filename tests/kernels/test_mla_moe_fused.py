@@ -203,6 +203,23 @@ def test_fused_layer_passes_the_harness_correctness_check(batch: int, context: i
     _assert_passes_the_harness_check(path, case, CPU)
 
 
+@pytest.mark.parametrize(("batch", "context"), [(6, 33), (16, 256)])
+def test_fused_layer_with_the_down_as_items_passes_the_harness_correctness_check(
+    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The candidate plan's down (items, over 5 programs that loop) inside the whole layer, as
+    the harness judges it: its workspace and counters live beside the other kernels'."""
+    planned = fused.layer_plan
+
+    def with_items(*key: object) -> fused.LayerPlan:
+        plan = planned(*key)
+        return dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, down_programs=5))
+
+    monkeypatch.setattr(fused, "layer_plan", with_items)
+    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
+    _assert_passes_the_harness_check(path, _case(batch, context), CPU)
+
+
 def test_fused_layer_at_batch_64_is_within_the_budget() -> None:
     """The largest batch (64-row tiles everywhere), measured as check_case measures it, with one
     candidate run (the interpreter is slow at this size)."""

@@ -254,9 +254,9 @@ def _chosen_local_experts(
 @triton.jit
 def _compact_rows(chosen, slot, first, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr):
     """The chosen rows numbered first .. first + TOKENS - 1, gathered into one MMA tile: (token
-    (TOKENS,) int32 row index, its slot, valid (TOKENS,) bool, where (BLOCK_M, TOKENS) bool:
-    row m is tile row j). A tile only as tall as the tokens an expert has: at batch 64 a local
-    expert has one or two, and a 64-row tile held 62 masked rows in shared memory and the MMA."""
+    (TOKENS,) int32 row index, its slot, valid (TOKENS,) bool). A tile only as tall as the
+    tokens an expert has: at batch 64 a local expert has one or two, and a 64-row tile held 62
+    masked rows in shared memory and the MMA."""
     rows = tl.arange(0, BLOCK_M)
     place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # (BLOCK_M,): each chosen row's number
     j = first + tl.arange(0, TOKENS)
@@ -264,7 +264,36 @@ def _compact_rows(chosen, slot, first, BLOCK_M: tl.constexpr, TOKENS: tl.constex
     token = tl.sum(tl.where(where, rows[:, None], 0), axis=0)
     token_slot = tl.sum(tl.where(where, slot[:, None], 0), axis=0)
     valid = tl.max(where.to(tl.int32), axis=0) > 0
-    return token, token_slot, valid, where
+    return token, token_slot, valid
+
+
+@triton.jit
+def _tile_tokens(
+    table,
+    row_mask,
+    is_shared,
+    expert_id,
+    chunk,
+    TOP_K: tl.constexpr,
+    BLOCK_K_SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TOKENS: tl.constexpr,
+):
+    """A tile's tokens, gathered: (token, slot, valid) of chunk `chunk` of the rows that chose
+    global expert `expert_id`, or of every row (slot TOP_K) for the shared expert's tile."""
+    chosen, slot, _match = _choosers(table, expert_id, BLOCK_K_SLOTS)
+    chosen = tl.where(is_shared, row_mask, chosen)
+    slot = tl.where(is_shared, TOP_K, slot)
+    return _compact_rows(chosen, slot, chunk * TOKENS, BLOCK_M, TOKENS)
+
+
+@triton.jit
+def _expert_at(ends, sizes, at, BLOCK_E: tl.constexpr):
+    """Where `at` falls in a list laid out expert by expert (sizes (2 BLOCK_E,) per expert,
+    ends their cumulative sum): (the expert, `at`'s place within that expert's part)."""
+    expert = tl.sum((ends <= at).to(tl.int32), axis=0)  # the experts wholly before `at`
+    first = tl.sum(tl.where(tl.arange(0, 2 * BLOCK_E) == expert, ends - sizes, 0), axis=0)
+    return expert, at - first
 
 
 @triton.jit
@@ -365,22 +394,18 @@ def _gate_up_kernel(
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         is_shared = item < shared_items
         in_part = tl.where(is_shared, item, item - shared_items)
-        # the routed item's expert: the experts whose items all come before it are the first
-        expert = tl.sum((expert_ends <= in_part).to(tl.int32), axis=0)
-        this = bins == expert
-        in_expert = in_part - tl.sum(tl.where(this, expert_ends - expert_items, 0), axis=0)
-        n_chunks = tl.where(is_shared, shared_chunks, tl.sum(tl.where(this, chunks, 0), axis=0))
+        expert, in_expert = _expert_at(expert_ends, expert_items, in_part, BLOCK_E)
+        expert_chunks = tl.sum(tl.where(bins == expert, chunks, 0), axis=0)
+        n_chunks = tl.where(is_shared, shared_chunks, expert_chunks)
         n_splits = tl.where(is_shared, SHARED_SPLITS, K_SPLITS)
         local = tl.where(is_shared, item, in_expert)
         col_block = local // (n_chunks * n_splits)
         chunk = local // n_splits % n_chunks
         split = local % n_splits
-        chosen, slot, _match = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
-        chosen = tl.where(is_shared, row_mask, chosen)
-        slot = tl.where(is_shared, TOP_K, slot)
-        token, token_slot, valid, _where = _compact_rows(
-            chosen, slot, chunk * TOKENS, BLOCK_M, TOKENS
-        )
+        token, token_slot, valid = _tile_tokens(
+            table, row_mask, is_shared, expert + expert_offset, chunk, TOP_K, BLOCK_K_SLOTS,
+            BLOCK_M, TOKENS,
+        )  # fmt: skip
         inter = tl.where(is_shared, I_SHARED, INTER)
         w_base = tl.where(is_shared, shared_ptr, w13_ptr + expert.to(tl.int64) * 2 * INTER * D)
         # Weight rows interleaved [gate f, up f, gate f+1, up f+1, ...]: one MMA computes both,
@@ -644,7 +669,6 @@ def _down_items_kernel(
     _rank, _n_chosen, counts = _chosen_local_experts(
         ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
     )
-    bins = tl.arange(0, 2 * BLOCK_E)
     chunks = tl.cdiv(counts, TOKENS)  # (2 BLOCK_E,) tiles per expert, 0 for the unchosen
     expert_ends = tl.cumsum(chunks, axis=0)
     shared_tiles = tl.cdiv(B, TOKENS)
@@ -656,15 +680,12 @@ def _down_items_kernel(
         col_block = item % column_blocks
         is_shared = tile < shared_tiles
         in_part = tl.where(is_shared, tile, tile - shared_tiles)
-        expert = tl.sum((expert_ends <= in_part).to(tl.int32), axis=0)
-        expert_first = tl.sum(tl.where(bins == expert, expert_ends - chunks, 0), axis=0)
-        chunk = tl.where(is_shared, tile, in_part - expert_first)
-        chosen, slot, _match = _choosers(table, expert + expert_offset, BLOCK_K_SLOTS)
-        chosen = tl.where(is_shared, row_mask, chosen)
-        slot = tl.where(is_shared, TOP_K, slot)
-        token, token_slot, valid, _where = _compact_rows(
-            chosen, slot, chunk * TOKENS, BLOCK_M, TOKENS
-        )
+        expert, expert_chunk = _expert_at(expert_ends, chunks, in_part, BLOCK_E)
+        chunk = tl.where(is_shared, tile, expert_chunk)
+        token, token_slot, valid = _tile_tokens(
+            table, row_mask, is_shared, expert + expert_offset, chunk, TOP_K, BLOCK_K_SLOTS,
+            BLOCK_M, TOKENS,
+        )  # fmt: skip
         routing_weight = tl.load(
             weights_ptr + token * TOP_K + token_slot, mask=valid & (token_slot < TOP_K), other=1.0
         )  # (TOKENS,): the shared expert's is 1
@@ -672,22 +693,12 @@ def _down_items_kernel(
         w_base = tl.where(is_shared, shared_ptr, w2_ptr + expert.to(tl.int64) * D * INTER)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < D
-        y_rows = token * (TOP_K + 1) + token_slot  # (TOKENS,): the act row, and the y row
-        acc = tl.zeros((TOKENS, BLOCK_N), dtype=tl.float32)
-        for first in range(0, inter, BLOCK_K):
-            ks = first + tl.arange(0, BLOCK_K)
-            k_mask = ks < inter
-            act = tl.load(
-                act_ptr + y_rows[:, None] * INTER + ks[None, :],
-                mask=valid[:, None] & k_mask[None, :],
-                other=0.0,
-            )  # (TOKENS, BLOCK_K)
-            w = tl.load(
-                w_base + cols[:, None] * inter + ks[None, :],
-                mask=col_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )  # (BLOCK_N, BLOCK_K)
-            acc = mma(act, tl.trans(w), acc, DOT_F32)
+        # the gathered rows' act over the whole of inter
+        acc = _down_tile(
+            act_ptr, token, token_slot, valid, w_base, inter, INTER, cols, col_mask, 0, inter,
+            TOP_K, TOKENS, BLOCK_N, BLOCK_K, DOT_F32,
+        )  # fmt: skip
+        y_rows = token * (TOP_K + 1) + token_slot  # (TOKENS,): as act's rows
         y_at = y_ptr + y_rows[:, None].to(tl.int64) * D + cols[None, :]
         tl.store(y_at, acc * routing_weight[:, None], mask=valid[:, None] & col_mask[None, :])
         tl.debug_barrier()  # every thread's store issued before the release below

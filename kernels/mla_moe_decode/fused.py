@@ -58,6 +58,7 @@ from kernels.mla_moe_decode.triton_attention import (
     q_absorb,
     w_uv,
 )
+from kernels.mla_moe_decode.triton_common import on_gpu
 from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe
 from kernels.mla_moe_decode.triton_moe import route as route_experts
@@ -377,9 +378,9 @@ def _fused_layer(c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors) -> N
 
 
 def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
-    on_gpu = x.is_cuda
-    sm_count = _sm_count(x.device.index) if on_gpu else 0
-    return layer_plan(c, x.shape[0], context, on_gpu, sm_count)
+    gpu = on_gpu(x)
+    sm_count = _sm_count(x.device.index) if gpu else 0
+    return layer_plan(c, x.shape[0], context, gpu, sm_count)
 
 
 def _attention_and_routing(

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from kernels.mla_moe_decode.triton_common import (
     mma,
+    on_gpu,
     pdl_options,
     rms_normalize,
     rotate_pairs,
@@ -138,7 +139,7 @@ def latent_prep(
     n_splits, batch, _ = parts.shape
     q_rank, lora = q_c.shape[1], kv_norm.shape[0]
     rope = kv_new.shape[1] - lora
-    rows = rows_per_program(batch, parts.is_cuda)
+    rows = rows_per_program(batch, on_gpu(parts))
     _latent_prep_kernel[(triton.cdiv(batch, rows),)](
         parts,
         q_norm,
@@ -261,7 +262,7 @@ def q_absorb(
         BLOCK_NOPE=triton.next_power_of_2(nope),
         BLOCK_L=blocks.absorb_cols,
         BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
-        DOT_F32=not parts.is_cuda,
+        DOT_F32=not on_gpu(parts),
         num_warps=blocks.absorb_warps,
         **pdl_options(parts.device),
     )
@@ -521,7 +522,7 @@ def _split_partials(
         BLOCK_T=blocks.block_t,
         BLOCK_L=triton.next_power_of_2(lora),
         BLOCK_R=triton.next_power_of_2(width - lora),
-        DOT_F32=not q_lat.is_cuda,
+        DOT_F32=not on_gpu(q_lat),
         num_warps=blocks.split_warps,
         num_stages=blocks.split_stages,
         **pdl_options(q_lat.device),
@@ -635,7 +636,7 @@ def w_uv(
         BLOCK_M=blocks.block_m,
         BLOCK_V=blocks.uv_cols,
         BLOCK_K=min(128, triton.next_power_of_2(lora)),
-        DOT_F32=not o_lat.is_cuda,
+        DOT_F32=not on_gpu(o_lat),
         num_warps=blocks.uv_warps,
         **pdl_options(o_lat.device),
     )

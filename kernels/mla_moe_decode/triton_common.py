@@ -13,7 +13,8 @@
   exact in fp32, so the result is the same class of number (fp32 accumulation of exact products).
 - `sum_splits`: the deterministic reduction of split-K partial sums, in split order.
 - `rms_normalize`, `rotate_pairs`: the stock path's RMSNorm and GPT-J RoPE.
-- `rows_per_program` (host side): how many token rows the row-wise kernels give a program.
+- `on_gpu`, `rows_per_program` (host side): whether a tensor gets the GPU's decisions; how
+  many token rows the row-wise kernels give a program.
 - `dependent_launch`, `pdl_options` (host side), `wait_for_previous_kernel`, `prefetch_l2`:
   programmatic dependent launch (PDL, sm_90+), off by default. A kernel launched with the PDL
   attribute may start before its predecessor has finished; it waits (`griddepcontrol.wait`)
@@ -105,6 +106,14 @@ def k_splits(k: int, wanted: int, block_k: int) -> tuple[int, int]:
     number of splits that gives)."""
     k_per_split = triton.cdiv(triton.cdiv(k, wanted), block_k) * block_k
     return k_per_split, triton.cdiv(k, k_per_split)
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether the host code takes the GPU's decisions (tiles, rows per program, bf16 MMA
+    operands) for `t`: a CUDA tensor, or a meta tensor, which stands for one where
+    benchmarks/sm90_compile.py records the H200 plan's launches without a GPU (shapes, no
+    data; nothing runs). Every other tensor takes the interpreter's."""
+    return t.is_cuda or t.is_meta
 
 
 def rows_per_program(batch: int, on_gpu: bool) -> int:

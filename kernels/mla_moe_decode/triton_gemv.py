@@ -29,6 +29,7 @@ import triton.language as tl
 from kernels.mla_moe_decode.triton_common import (
     k_splits,
     mma,
+    on_gpu,
     pdl_options,
     prefetch_l2,
     prefetch_weights,
@@ -147,7 +148,7 @@ def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> to
         BLOCK_M=blocks.block_m,
         BLOCK_N=blocks.block_n,
         BLOCK_K=blocks.block_k,
-        DOT_F32=not x.is_cuda,
+        DOT_F32=not on_gpu(x),
         PREFETCH=prefetch_weights(x.device),
         num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,

@@ -71,6 +71,7 @@ import triton.language as tl
 from kernels.mla_moe_decode.triton_common import (
     k_splits,
     mma,
+    on_gpu,
     pdl_options,
     round_bf16,
     rows_per_program,
@@ -181,7 +182,7 @@ def route(
         raise ValueError(f"route: {n} columns of router sums for {experts_total} experts")
     ids = torch.empty(batch, top_k, device=parts.device, dtype=torch.int32)
     weights = torch.empty(batch, top_k, device=parts.device, dtype=torch.float32)
-    rows = rows_per_program(batch, parts.is_cuda)
+    rows = rows_per_program(batch, on_gpu(parts))
     _route_kernel[(triton.cdiv(batch, rows),)](
         parts,
         bias,
@@ -841,8 +842,8 @@ def moe_gate_up(
     k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
     shared_k_per_split, shared_splits = k_splits(hidden, blocks.shared_splits, blocks.gate_up_k)
     tokens = blocks.token_rows or blocks.block_m
-    if tokens & (tokens - 1) or (h.is_cuda and tokens < 16):
-        least = " of at least 16 on the GPU" if h.is_cuda else ""
+    if tokens & (tokens - 1) or (on_gpu(h) and tokens < 16):
+        least = " of at least 16 on the GPU" if on_gpu(h) else ""
         raise ValueError(f"fused_moe: token_rows {tokens} must be a power of two{least}")
     shared_tiles, most_tiles, most_items = gate_up_bounds(
         batch, top_k, experts, tokens, triton.cdiv(shared_inter, blocks.gate_up_cols),
@@ -998,7 +999,7 @@ def _common_meta(
         BLOCK_K_SLOTS=triton.next_power_of_2(top_k),
         BLOCK_IDS=triton.next_power_of_2(ids.shape[0] * top_k),
         BLOCK_M=blocks.block_m,
-        DOT_F32=not x.is_cuda,
+        DOT_F32=not on_gpu(x),
         BLOCK_E=triton.next_power_of_2(experts),
         num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,

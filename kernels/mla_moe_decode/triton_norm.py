@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.mla_moe_decode.triton_common import (
+    on_gpu,
     pdl_options,
     rms_normalize,
     round_bf16,
@@ -78,7 +79,7 @@ def add_rmsnorm(
         raise ValueError(f"one or two residuals, not {len(residuals)}")
     n_splits, batch, hidden = parts.shape
     block = triton.next_power_of_2(hidden)
-    rows = rows_per_program(batch, parts.is_cuda)
+    rows = rows_per_program(batch, on_gpu(parts))
     _add_rmsnorm_kernel[(triton.cdiv(batch, rows),)](
         parts,
         residuals[0],

@@ -1,0 +1,293 @@
+"""Compile the fused layer's Triton kernels for the H200 (sm_90) on any machine, GPU or not.
+
+The CPU suite runs these kernels under Triton's interpreter, which never compiles them: a
+kernel the interpreter runs can still fail Triton's GPU compiler (the seventeenth session's
+loop-carried `_` did), or ask for more shared memory than an SM has. This script runs the
+fused layer's host code on meta tensors (the real shard's shapes, no data, nothing runs; meta
+tensors get the GPU's decisions, `triton_common.on_gpu`) with the H200 plan (132 SMs), records
+every kernel launch instead of running it, compiles each one for sm_90 with the launch's own
+arguments, constexprs, warps and stages, and reads the cubin's resources: registers, spills
+(local memory), shared memory, and from those the programs per SM that fit.
+
+Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compiler needs):
+
+    python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
+        [--moe plan|candidate] [--out pathgate-out/benchmarks/sm90_compile.json]
+
+It prints one row per launch and writes the rows as JSON. The compiler is this machine's
+Triton (CI: 3.9), not necessarily the device's (3.6): a clean compile here is evidence, not
+proof, that the device compiles it; the shared memory and registers are this compiler's.
+Kernel 1 is CuTe DSL (compiled by CuTe DSL on the device, not here): it is listed, not compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Triton 3.9 warns until it is told; fused multiply-adds on, as Triton 3.6 on the device has them
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.mla_moe_decode import fused
+from kernels.mla_moe_decode.config import LayerConfig
+from kernels.mla_moe_decode.problem import _weight_dtype, weight_shapes
+
+Tensors = dict[str, torch.Tensor]
+H200_SMS = 132
+SM90 = GPUTarget("cuda", 90, 32)
+# sm_90's per-SM limits (CUDA occupancy rules): shared memory (1 KB of it reserved per block),
+# the most one block may ask for, registers, warps and resident blocks.
+SM_SHARED = 233472
+BLOCK_SHARED_MAX = 232448
+BLOCK_SHARED_RESERVED = 1024
+SM_REGISTERS = 65536
+REGISTER_UNIT = 256  # registers are given to a warp in units of 256
+SM_WARPS = 64
+SM_BLOCKS = 32
+
+
+@dataclass
+class Launch:
+    """One kernel launch of the layer, as its host code made it."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    fn: JITFunction | None = None  # None: not a Triton kernel (kernel 1, CuTe DSL)
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Compiled:
+    """What sm_90's compiler made of one launch."""
+
+    kernel: str
+    batch: int
+    context: int
+    grid: list[int]
+    num_warps: int = 0
+    num_stages: int = 0
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    shared_bytes: int = 0
+    registers: int = 0
+    spill_bytes: int = 0  # local memory per thread: registers spilled
+    programs_per_sm: int = 0
+    compile_s: float = 0.0
+    error: str = ""  # the compiler's message, when it failed
+    note: str = ""
+
+
+def meta_layer(config: LayerConfig, batch: int, context: int) -> tuple[Tensors, Tensors, Tensors]:
+    """The real shard's weights, inputs and outputs as meta tensors (the config stays the host
+    tensor the layer reads its numbers from)."""
+    weights = {"config": config.to_tensor()}
+    for name, shape in weight_shapes(config).items():
+        weights[name] = _meta(*shape, dtype=_weight_dtype(name, torch.bfloat16))
+    inputs = {
+        "x": _meta(batch, config.hidden),
+        "residual": _meta(batch, config.hidden),
+        "kv_cache": _meta(batch, context, config.latent_dim),
+        "positions": _meta(batch, dtype=torch.int64),
+    }
+    out = {
+        "out": _meta(batch, config.hidden),
+        "residual_out": _meta(batch, config.hidden),
+        "kv_new": _meta(batch, config.latent_dim),
+    }
+    return weights, inputs, out
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(shape, device="meta", dtype=dtype)
+
+
+@contextlib.contextmanager
+def recording(plan: fused.LayerPlan | None) -> Iterator[list[Launch]]:
+    """Within: Triton launches are recorded, not run; the plan is the H200's (or `plan`);
+    kernel 1 is recorded as the CuTe DSL call it is on the GPU."""
+    launches: list[Launch] = []
+
+    def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launches.append(Launch(self.fn.__name__, tuple(grid), self, args, kwargs))
+
+    def record_cute(x: torch.Tensor, *_: Any) -> None:
+        launches.append(Launch("cute_kernels.add_rmsnorm (CuTe DSL)", (x.shape[0],)))
+
+    def h200_plan(c: LayerConfig, x: torch.Tensor, context: int) -> fused.LayerPlan:
+        return plan or fused.layer_plan(c, x.shape[0], context, True, H200_SMS)
+
+    saved = (JITFunction.run, fused.input_add_rmsnorm, fused._plan)
+    JITFunction.run = record  # type: ignore[method-assign]
+    fused.input_add_rmsnorm = record_cute  # type: ignore[assignment]
+    fused._plan = h200_plan  # type: ignore[assignment]
+    try:
+        yield launches
+    finally:
+        JITFunction.run, fused.input_add_rmsnorm, fused._plan = saved  # type: ignore[method-assign,assignment]
+
+
+def layer_launches(batch: int, context: int, plan: fused.LayerPlan | None = None) -> list[Launch]:
+    """Every launch of one fused layer at (batch, context) on the H200, in order."""
+    config = LayerConfig()
+    weights, inputs, out = meta_layer(config, batch, context)
+    with recording(plan) as launches:
+        fused._fused_layer(config, weights, inputs, out)
+    return launches
+
+
+def compile_launch(launch: Launch, batch: int, context: int) -> Compiled:
+    result = Compiled(launch.kernel, batch, context, list(launch.grid))
+    if launch.fn is None:
+        result.note = "CuTe DSL: compiled on the device, not here"
+        return result
+    start = time.perf_counter()
+    try:
+        source, options = _source(launch.fn, launch.args, launch.kwargs)
+        result.num_warps, result.num_stages = options.num_warps, options.num_stages
+        names = launch.fn.arg_names
+        result.constexprs = {names[path[0]]: value for path, value in source.constants.items()}
+        kernel = triton.compile(source, target=SM90, options=options.__dict__)
+    except Exception as error:  # every compiler failure is a finding to report
+        result.error = f"{type(error).__name__}: {error}".strip()[:2000]
+        return result
+    result.compile_s = round(time.perf_counter() - start, 2)
+    result.shared_bytes = int(kernel.metadata.shared)
+    result.registers, result.spill_bytes = cubin_resources(kernel.asm["cubin"])
+    result.programs_per_sm = programs_per_sm(
+        result.shared_bytes, result.registers, result.num_warps
+    )
+    return result
+
+
+def _source(
+    fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[ASTSource, Any]:
+    """What `fn[grid](*args, **kwargs)` hands the compiler on an sm_90 device, by Triton's own
+    binder: the same signature, constexprs and specializations (an integer or a pointer that
+    is a multiple of 16 is compiled as one; a meta tensor's pointer is its offset into an
+    allocation that starts aligned, as CUDA's do)."""
+    backend = make_backend(SM90)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    return ASTSource(fn, signature, constexprs, attrs), options
+
+
+def cubin_resources(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, local memory bytes per thread) from cuobjdump's resource usage."""
+    tool = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run(
+            [str(tool), "--dump-resource-usage", file.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    registers = re.search(r"REG:(\d+)", usage)
+    local = re.search(r"LOCAL:(\d+)", usage)
+    if registers is None or local is None:
+        raise RuntimeError(f"cuobjdump gave no resource usage: {usage!r}")
+    return int(registers.group(1)), int(local.group(1))
+
+
+def programs_per_sm(shared_bytes: int, registers: int, warps: int) -> int:
+    """How many programs of this kernel one sm_90 SM holds at once: the least of what its
+    shared memory, its registers, its warp slots and its block slots allow."""
+    if shared_bytes > BLOCK_SHARED_MAX:
+        return 0
+    by_shared = SM_SHARED // (shared_bytes + BLOCK_SHARED_RESERVED)
+    per_warp = -(-max(registers, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    by_registers = (SM_REGISTERS // per_warp) // warps
+    return min(by_shared, by_registers, SM_WARPS // warps, SM_BLOCKS)
+
+
+def compile_layer(batch: int, context: int, moe: str = "plan") -> list[Compiled]:
+    plan = None
+    if moe == "candidate":
+        from benchmarks.mla_moe_device_check import candidate_moe_plan
+
+        plan = candidate_moe_plan(
+            fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS), batch
+        )
+    return [
+        compile_launch(launch, batch, context) for launch in layer_launches(batch, context, plan)
+    ]
+
+
+def print_table(rows: list[Compiled]) -> None:
+    columns = "batch context kernel grid warps stages shared_KB regs spill_B per_SM compile_s"
+    print("| " + " | ".join(columns.split()) + " |")
+    print("|---" * len(columns.split()) + "|")
+    for r in rows:
+        first = f"| {r.batch} | {r.context} | {r.kernel} | {r.grid} |"
+        if r.error or r.note:
+            print(f"{first} {f'ERROR {r.error[:200]}' if r.error else r.note} |")
+            continue
+        print(
+            f"{first} {r.num_warps} | {r.num_stages} | {r.shared_bytes / 1024:.1f}"
+            f" | {r.registers} | {r.spill_bytes} | {r.programs_per_sm} | {r.compile_s} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
+    parser.add_argument("--moe", choices=("plan", "candidate"), default="plan")
+    parser.add_argument(
+        "--out", type=Path, default=Path("pathgate-out/benchmarks/sm90_compile.json")
+    )
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print(
+            "sm90_compile: unset TRITON_INTERPRET (the interpreter has no compiler)",
+            file=sys.stderr,
+        )
+        return 2
+    rows = [
+        row
+        for batch in args.batches
+        for context in args.contexts
+        for row in compile_layer(batch, context, args.moe)
+    ]
+    print_table(rows)
+    report = {
+        "target": "sm_90 (H200 plan, 132 SMs)",
+        "moe": args.moe,
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "launches": [asdict(row) for row in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    failed = [row for row in rows if row.error]
+    print(f"{len(rows)} launches, {len(failed)} failed to compile; JSON in {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The fused layer's Triton kernels compile for the H200 (sm_90), on any machine.
+
+The other CPU tests run these kernels under Triton's interpreter, which never compiles them:
+`benchmarks/sm90_compile.py` records the H200 plan's launches on meta tensors and compiles each
+one for sm_90, in a process without TRITON_INTERPRET (this one has it, conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from benchmarks.sm90_compile import BLOCK_SHARED_MAX, programs_per_sm
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "benchmarks" / "sm90_compile.py"
+# fused.py's 14 kernels, in order (its docstring's table); the down is the plan's walker
+LAYER = [
+    "cute_kernels.add_rmsnorm (CuTe DSL)",
+    "_splitk_gemv_kernel",
+    "_latent_prep_kernel",
+    "_splitk_gemv_kernel",
+    "_q_absorb_kernel",
+    "_mla_split_kernel",
+    "_mla_combine_kernel",
+    "_w_uv_kernel",
+    "_splitk_gemv_kernel",
+    "_add_rmsnorm_kernel",
+    "_splitk_gemv_kernel",
+    "_route_kernel",
+    "_gate_up_kernel",
+    "_down_kernel",
+]
+BATCHES, CONTEXTS = (1, 8, 64), (1024, 32768)
+
+
+def _without_interpreter() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+
+
+def _run_tool(out: Path, *args: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, str(TOOL), *args, "--out", str(out)],
+        env=_without_interpreter(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _by_case(report: dict) -> dict[tuple[int, int], list[dict]]:
+    cases: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for launch in report["launches"]:
+        cases[(launch["batch"], launch["context"])].append(launch)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def plan_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("sm90") / "plan.json"
+    batches, contexts = (str(b) for b in BATCHES), (str(c) for c in CONTEXTS)
+    return _run_tool(out, "--batches", *batches, "--contexts", *contexts)
+
+
+def test_every_kernel_of_the_h200_plan_compiles_for_sm90(plan_report: dict) -> None:
+    cases = _by_case(plan_report)
+    assert set(cases) == {(b, c) for b in BATCHES for c in CONTEXTS}
+    for case, launches in cases.items():
+        assert [launch["kernel"] for launch in launches] == LAYER, case
+        for launch in launches[1:]:  # kernel 1 is CuTe DSL, not compiled by Triton
+            where = f"{launch['kernel']} at batch x context {case}"
+            assert launch["error"] == "", where
+            assert launch["registers"] > 0, where
+            assert launch["shared_bytes"] <= BLOCK_SHARED_MAX, where
+            assert launch["programs_per_sm"] >= 1, where
+            # a kernel that starts spilling registers is a regression to look at, not a crash
+            assert launch["spill_bytes"] == 0, f"{where} spills {launch['spill_bytes']} B"
+
+
+def test_the_compiled_launches_are_the_plans(plan_report: dict) -> None:
+    """The tool compiled what the H200 plan launches, not the interpreter's variant: bf16 MMA
+    operands, one token row per program of the row-wise kernels, the plan's grids."""
+    launches = _by_case(plan_report)[(64, 32768)]
+    for launch in launches[1:]:
+        if "DOT_F32" in launch["constexprs"]:
+            assert launch["constexprs"]["DOT_F32"] is False, launch["kernel"]
+        if "ROWS" in launch["constexprs"]:
+            assert launch["constexprs"]["ROWS"] == 1, launch["kernel"]
+    gate_up = next(launch for launch in launches if launch["kernel"] == "_gate_up_kernel")
+    assert gate_up["grid"] == [2 * 132]  # the plan's grid above batch 4: 2 programs per SM
+    assert gate_up["constexprs"]["TOKENS"] == 16
+    split = next(launch for launch in launches if launch["kernel"] == "_mla_split_kernel")
+    assert split["grid"] == [64, 16]  # 16 splits of the context per token above batch 8
+
+
+def test_the_candidate_moe_plan_compiles_for_sm90(tmp_path: Path) -> None:
+    report = _run_tool(
+        tmp_path / "candidate.json", "--batches", "8", "64", "--contexts", "1024", "--moe",
+        "candidate",
+    )  # fmt: skip
+    for case, launches in _by_case(report).items():
+        assert [launch["kernel"] for launch in launches] == [*LAYER[:-1], "_down_items_kernel"]
+        down = launches[-1]
+        assert down["error"] == "", case
+        assert down["grid"] == [4 * 132]
+        assert down["programs_per_sm"] >= 1
+
+
+BAD_KERNEL = """
+import json, sys
+from dataclasses import asdict
+sys.path.insert(0, {root!r})
+import torch
+import triton
+import triton.language as tl
+from benchmarks.sm90_compile import Launch, compile_launch
+
+
+@triton.jit
+def changes_type_in_loop(x_ptr, N: tl.constexpr):
+    value = 0  # an int before the loop, a bf16 inside it: the interpreter runs it, the compiler not
+    for i in range(tl.program_id(0), N):
+        value = tl.load(x_ptr + i)
+    tl.store(x_ptr, value)
+
+
+x = torch.empty(16, device="meta", dtype=torch.bfloat16)
+launch = Launch("bad", (1,), changes_type_in_loop, (x,), {{"N": 16}})
+print(json.dumps(asdict(compile_launch(launch, 1, 1))))
+"""
+
+
+def test_a_kernel_the_interpreter_runs_but_the_compiler_refuses_is_reported(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "bad_kernel.py"
+    script.write_text(BAD_KERNEL.format(root=str(ROOT)))
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env=_without_interpreter(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = json.loads(result.stdout.strip().splitlines()[-1])
+    assert compiled["error"], compiled
+    assert "loop-carried variable" in compiled["error"].lower()
+    assert compiled["registers"] == 0 and compiled["programs_per_sm"] == 0
+
+
+def test_programs_per_sm_takes_the_scarcest_resource() -> None:
+    # the gate_up at batch 8 (60 KB, 144 registers, 4 warps): shared memory and registers
+    # both allow 3
+    assert programs_per_sm(60 * 1024, 144, 4) == 3
+    # 136 registers round up to 4352 per warp: 15 warps' worth, 3 programs of 4 warps, though
+    # shared memory would hold 6
+    assert programs_per_sm(36 * 1024, 136, 4) == 3
+    assert programs_per_sm(36 * 1024, 128, 4) == 4
+    assert programs_per_sm(0, 32, 4) == 16  # warp slots: 64 per SM
+    assert programs_per_sm(0, 16, 1) == 32  # block slots
+    assert programs_per_sm(164 * 1024, 178, 4) == 1
+    assert programs_per_sm(BLOCK_SHARED_MAX + 1, 32, 4) == 0

@@ -8,6 +8,7 @@ the job's evidence (append-only) and recomputes the submission's state and verdi
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -17,7 +18,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from harness.errors import InvalidInput, NotFound
-from harness.evaluation.evidence import STATE_OF_VERDICT, Evidence, Verdict
+from harness.evaluation.evidence import STATE_OF_VERDICT, Evidence, Model, Verdict
 from harness.github import hooks as github_hooks
 from harness.reports.markdown import render_markdown
 from harness.store import repositories as repo
@@ -32,6 +33,8 @@ from harness.store.models import (
 )
 from scopes.manifest import ManifestError, ScopeManifest, load_manifest, validate_manifest
 from workers.routing import queues_for_manifest
+
+log = logging.getLogger(__name__)
 
 Enqueue = Callable[[int, str], None]  # (job id, queue)
 
@@ -132,6 +135,9 @@ def _route(session: Session, jobs: list[Job], live_queues: set[str]) -> None:
 
 
 def enqueue_after_commit(session: Session, job: Job) -> None:
+    """Send the job once the session commits. Its enqueued_at is when it was sent: the sweeper
+    sends a job again when no worker took it for a while (its message lost, or never sent)."""
+    job.enqueued_at = utcnow()
     session.info.setdefault("pending_enqueues", []).append((job.id, job.queue))
 
 
@@ -143,7 +149,10 @@ def install_enqueue_hook(session: Session, enqueue: Enqueue) -> None:
     def _send(committed: Session) -> None:
         pending = committed.info.pop("pending_enqueues", [])
         for job_id, queue in pending:
-            enqueue(job_id, queue)
+            try:
+                enqueue(job_id, queue)
+            except Exception:  # the job is stored: the sweeper sends it again (enqueued_at)
+                log.exception("job %s: could not reach the broker for queue %s", job_id, queue)
 
     @event.listens_for(session, "after_rollback")
     def _drop(rolled_back: Session) -> None:
@@ -231,8 +240,8 @@ def record_evidence(session: Session, job: Job, evidence: Evidence, log_tail: st
             origin=c.origin,
             status=c.status,
             reasons=c.reasons,
-            correctness=c.correctness.model_dump(mode="json") if c.correctness else None,
-            performance=c.performance.model_dump(mode="json") if c.performance else None,
+            correctness=_json(c.correctness) if c.correctness else None,
+            performance=_json(c.performance) if c.performance else None,
         )
         for c in evidence.cases
     ] + [
@@ -260,6 +269,12 @@ def record_evidence(session: Session, job: Job, evidence: Evidence, log_tail: st
     job.verdict = evidence.verdict
     job.reason = "; ".join(evidence.verdict_reasons[:3])
     _close(job, log_tail)
+
+
+def _json(model: Model) -> Any:
+    """As the evidence JSON has it: an infinite error as the string "Infinity", which reads back
+    as a float (model_dump(mode="json") keeps the float, which JSON, and PostgreSQL, refuse)."""
+    return json.loads(model.model_dump_json())
 
 
 def record_failure(session: Session, job: Job, state: str, reason: str, log_tail: str) -> None:

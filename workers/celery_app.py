@@ -6,6 +6,7 @@ from __future__ import annotations
 from celery import Celery
 
 from harness.config import Settings, get_settings
+from workers.workspace import CHECKOUT_MAX_S
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -21,13 +22,19 @@ def make_celery(settings: Settings) -> Celery:
         worker_concurrency=1,  # one GPU job at a time
         task_ignore_result=True,  # results live in the database, not a result backend
         task_default_queue="cpu",
-        task_soft_time_limit=settings.job_timeout_s + 120,
-        task_time_limit=settings.job_timeout_s + 240,
+        task_soft_time_limit=task_time_limit_s(settings) - 120,
+        task_time_limit=task_time_limit_s(settings),
         broker_transport_options=_transport_options(settings),
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
     return app
+
+
+def task_time_limit_s(settings: Settings) -> float:
+    """Celery's hard limit on a task: the longest checkout, the child's own wall-clock limit,
+    and 4 minutes to store the result. The child is killed at its limit first."""
+    return CHECKOUT_MAX_S + settings.job_timeout_s + 240
 
 
 def _transport_options(settings: Settings) -> dict[str, float]:

@@ -11,7 +11,7 @@ import os
 import shutil
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,9 +23,10 @@ from harness.config import get_settings
 from harness.store import repositories as repo
 from harness.store.db import session_scope
 from harness.store.models import Job, utcnow
+from harness.submissions import Source
 from workers import gpu_health
 from workers import heartbeat as worker_identity
-from workers.celery_app import app, enqueue
+from workers.celery_app import app, enqueue, task_time_limit_s
 from workers.routing import CPU_QUEUE, gpus_of_queue
 from workers.runner import (
     ChildCrashed,
@@ -35,9 +36,12 @@ from workers.runner import (
     RunRequest,
     run_in_child,
 )
-from workers.workspace import SourceError, prepare_source
+from workers.workspace import REPO_ROOT, SourceError, prepare_source
 
 RUNNABLE_STATES = ("queued", "waiting_for_hardware")
+# A running job whose task is this far past Celery's hard limit was killed with it (the pool
+# process died, its worker lives on): the sweeper gives it another attempt.
+OVERDUE_MARGIN_S = 60
 log = logging.getLogger(__name__)
 
 
@@ -87,7 +91,30 @@ def stop_worker() -> None:
 
 
 def start_job(job_id: int, worker: str) -> StartedJob | None:
-    """Claim the job for this worker (one attempt more), or None if it must not run."""
+    """Claim the job for this worker (one attempt more) and fetch its source, or None if it must
+    not run. The claim commits before the checkout, which may take minutes: no transaction (on
+    SQLite, the database's write lock) is held while git fetches."""
+    claim = _claim(job_id, worker)
+    if claim is None:
+        return None
+    try:
+        source_dir = prepare_source(claim.source, claim.workdir / "src")
+    except SourceError as exc:
+        _end_claim(job_id, worker, claim.attempt, "error", str(exc))
+        return None
+    return StartedJob(replace(claim.request, source_dir=source_dir), claim.workdir)
+
+
+@dataclass(frozen=True)
+class Claim:
+    request: RunRequest  # its source_dir is the repository's until the checkout replaces it
+    source: Source
+    attempt: int
+    workdir: Path
+
+
+def _claim(job_id: int, worker: str) -> Claim | None:
+    """The job marked running on this worker, or None if it must not run here."""
     settings = get_settings()
     with session_scope() as session:
         job = repo.lock_job(session, job_id)
@@ -108,24 +135,30 @@ def start_job(job_id: int, worker: str) -> StartedJob | None:
         _refresh(session, job)
         submission = repo.get_submission(session, job.submission_id, owner_id=None)
         assert submission is not None
+        kind = submission.source_kind
+        source = Source(kind, submission.source_url, submission.source_sha)  # type: ignore[arg-type]
         workdir = settings.work_dir / f"job-{job.id}-attempt-{job.attempts}"
-        job_queue = job.queue
-        try:
-            source_dir = prepare_source(submission, workdir / "src")
-        except SourceError as exc:
-            submissions.record_failure(session, job, "error", str(exc), "")
-            _refresh(session, job)
-            return None
-    request = RunRequest(
-        manifest_yaml=submission.manifest_text,
-        source_dir=source_dir,
-        # the queue names the hardware: a GPU host serving `cpu` runs those jobs on its CPU
-        device="cpu" if job_queue == CPU_QUEUE else "cuda",
-        gpus=gpus_of_queue(job_queue),
-        timeout_s=settings.job_timeout_s,
-        workdir=workdir,
-    )
-    return StartedJob(request, workdir)
+        request = RunRequest(
+            manifest_yaml=submission.manifest_text,
+            source_dir=REPO_ROOT,
+            # the queue names the hardware: a GPU host serving `cpu` runs those jobs on its CPU
+            device="cpu" if job.queue == CPU_QUEUE else "cuda",
+            gpus=gpus_of_queue(job.queue),
+            timeout_s=settings.job_timeout_s,
+            workdir=workdir,
+        )
+        return Claim(request, source, job.attempts, workdir)
+
+
+def _end_claim(job_id: int, worker: str, attempt: int, state: str, reason: str) -> None:
+    """End this worker's attempt without evidence, unless the job moved on meanwhile (a sweeper
+    gave it to another worker)."""
+    with session_scope() as session:
+        job = repo.lock_job(session, job_id)
+        if job is None or (job.state, job.worker, job.attempts) != ("running", worker, attempt):
+            return
+        submissions.record_failure(session, job, state, reason, job.log_tail or "")
+        _refresh(session, job)
 
 
 def _runnable_here(job: Job, worker: str) -> bool:
@@ -135,6 +168,21 @@ def _runnable_here(job: Job, worker: str) -> bool:
 
 
 def finish_job(job_id: int, outcome: RunOutcome) -> None:
+    """Store the child's outcome. If storing it fails (a database error), the job still ends,
+    as an error that says so, rather than stay "running" with nobody to finish it."""
+    try:
+        _record_outcome(job_id, outcome)
+    except Exception as exc:
+        log.exception("job %s: its outcome could not be stored", job_id)
+        reason = f"the result could not be stored: {type(exc).__name__}: {exc}"[:1000]
+        with session_scope() as session:
+            job = repo.lock_job(session, job_id)
+            if job is not None and job.state == "running":
+                submissions.record_failure(session, job, "error", reason, outcome.log_tail)
+                _refresh(session, job)
+
+
+def _record_outcome(job_id: int, outcome: RunOutcome) -> None:
     with session_scope() as session:
         job = repo.lock_job(session, job_id)
         if job is None or job.state != "running":
@@ -170,9 +218,12 @@ def sweep_jobs() -> None:
         submissions.install_enqueue_hook(session, enqueue)
         live = repo.live_workers(session, settings.worker_stale_after_s)
         queues = repo.live_queues(session, settings.worker_stale_after_s)
+        overdue = utcnow() - timedelta(seconds=task_time_limit_s(settings) + OVERDUE_MARGIN_S)
         for job in repo.jobs_in_state(session, "running"):
             if job.worker not in live:
                 _requeue(session, job, f"worker {job.worker} stopped answering")
+        for job in repo.jobs_in_state(session, "running", started_before=overdue):
+            _requeue(session, job, "ran past its task's time limit; its worker lives on")
         stale = utcnow() - timedelta(seconds=settings.requeue_after_s)
         for job in repo.jobs_in_state(session, "queued", before=stale):
             _requeue(session, job, "enqueued again: no worker took it in time")
@@ -183,7 +234,7 @@ def sweep_jobs() -> None:
 
 
 def _requeue(session: Session, job: Job, reason: str) -> None:
-    job.state, job.reason, job.enqueued_at = "queued", reason, utcnow()
+    job.state, job.reason = "queued", reason
     submissions.enqueue_after_commit(session, job)
     _refresh(session, job)
 

@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from harness.store.models import Submission
+if TYPE_CHECKING:  # at run time a checkout needs none of what the submissions module imports
+    from harness.submissions import Source
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIT_TIMEOUT_S = 300
+CHECKOUT_MAX_S = 3 * GIT_TIMEOUT_S  # checkout's three git steps, each bounded by GIT_TIMEOUT_S
 
 
 class SourceError(Exception):
     pass
 
 
-def prepare_source(submission: Submission, dest: Path) -> Path:
+def prepare_source(source: Source, dest: Path) -> Path:
     """The folder the child imports the entry points from."""
-    if submission.source_kind == "in_tree":
+    if source.kind == "in_tree":
         return REPO_ROOT
-    assert submission.source_url and submission.source_sha
-    return checkout(submission.source_url, submission.source_sha, dest)
+    assert source.url and source.sha
+    return checkout(source.url, source.sha, dest)
 
 
 def checkout(url: str, sha: str, dest: Path) -> Path:

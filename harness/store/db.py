@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
@@ -17,10 +20,34 @@ from harness.config import get_settings
 def engine_for(url: str) -> Engine:
     _cached_urls.add(url)
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(
+            url,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            json_serializer=storable_json,
+        )
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+    return create_engine(
+        url, pool_size=20, max_overflow=20, pool_pre_ping=True, json_serializer=storable_json
+    )
+
+
+def storable_json(value: Any) -> str:
+    """JSON every database accepts: a non-finite float (an infinite error, a NaN in an imported
+    benchmark file) as the string "Infinity", "-Infinity" or "NaN", the evidence's own
+    convention (it reads back as a float), where json.dumps would write a bare Infinity that
+    PostgreSQL's json type refuses."""
+    return json.dumps(_finite(value), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _sqlite_pragmas(connection, _record) -> None:  # type: ignore[no-untyped-def]

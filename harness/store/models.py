@@ -5,7 +5,18 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal, get_args
 
-from sqlalchemy import JSON, DateTime, ForeignKey, Integer, MetaData, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 NAMING_CONVENTION = {
@@ -35,6 +46,17 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+class StorableText(TypeDecorator[str]):
+    """Text any database stores: a NUL character, which PostgreSQL refuses in text, becomes
+    U+FFFD. Logs and reasons carry what a candidate printed or raised, NULs included."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        return None if value is None else value.replace("\x00", "\ufffd")
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map: ClassVar[dict[Any, Any]] = {
@@ -60,7 +82,7 @@ class Submission(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     scope: Mapped[str] = mapped_column(String(64), index=True)
-    manifest_text: Mapped[str] = mapped_column(Text)  # as submitted
+    manifest_text: Mapped[str] = mapped_column(StorableText)  # as submitted
     manifest: Mapped[dict[str, Any]]  # as validated
     source_kind: Mapped[str] = mapped_column(String(10))  # in_tree | git
     source_url: Mapped[str | None] = mapped_column(String(500))
@@ -86,7 +108,7 @@ class Job(Base):
     submission_id: Mapped[int] = mapped_column(ForeignKey("submissions.id"), index=True)
     queue: Mapped[str] = mapped_column(String(64), index=True)
     state: Mapped[str] = mapped_column(String(24), index=True)
-    reason: Mapped[str | None] = mapped_column(Text)
+    reason: Mapped[str | None] = mapped_column(StorableText)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(200))
     verdict: Mapped[str | None] = mapped_column(String(16))
@@ -94,7 +116,7 @@ class Job(Base):
     enqueued_at: Mapped[datetime | None] = mapped_column(default=None)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
-    log_tail: Mapped[str | None] = mapped_column(Text)
+    log_tail: Mapped[str | None] = mapped_column(StorableText)
 
     submission: Mapped[Submission] = relationship(back_populates="jobs", lazy="raise")
 
@@ -118,7 +140,7 @@ class Report(Base):
     environment_id: Mapped[int] = mapped_column(ForeignKey("environment_fingerprints.id"))
     verdict: Mapped[str] = mapped_column(String(16))
     evidence: Mapped[dict[str, Any]]
-    markdown: Mapped[str] = mapped_column(Text)
+    markdown: Mapped[str] = mapped_column(StorableText)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -160,7 +182,7 @@ class ReviewDecision(Base):
     submission_id: Mapped[int] = mapped_column(ForeignKey("submissions.id"), index=True)
     reviewer_id: Mapped[int] = mapped_column(ForeignKey("api_tokens.id"))
     decision: Mapped[str] = mapped_column(String(20))  # approve | request_changes
-    comment: Mapped[str] = mapped_column(Text, default="")
+    comment: Mapped[str] = mapped_column(StorableText, default="")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

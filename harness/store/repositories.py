@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from harness.store.models import (
@@ -214,17 +214,20 @@ def live_workers(session: Session, stale_after_s: float) -> set[str]:
     )
 
 
-def jobs_in_state(session: Session, state: str, before: datetime | None = None) -> list[Job]:
-    """The jobs in this state, locked until commit (the sweeper changes what it selects): a
-    job a worker claims meanwhile is waited for and then left out, not read as it was before
-    the claim and overwritten after it."""
+def jobs_in_state(
+    session: Session,
+    state: str,
+    before: datetime | None = None,
+    started_before: datetime | None = None,
+) -> list[Job]:
+    """The jobs in this state (sent to the broker before `before`, started before
+    `started_before`), locked until commit (the sweeper changes what it selects): a job a
+    worker claims meanwhile is waited for and then left out, not read as it was before the
+    claim and overwritten after it."""
     query = select(Job).where(Job.state == state)
     if before is not None:
         query = query.where(Job.enqueued_at < before)
+    if started_before is not None:
+        query = query.where(Job.started_at < started_before)
     query = query.order_by(Job.id).with_for_update().execution_options(populate_existing=True)
     return list(session.scalars(query))
-
-
-def mark_enqueued(session: Session, job_ids: Sequence[int]) -> None:
-    if job_ids:
-        session.execute(update(Job).where(Job.id.in_(job_ids)).values(enqueued_at=utcnow()))

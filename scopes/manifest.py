@@ -243,9 +243,41 @@ def _parse(text: str) -> tuple[yaml.Node | None, Any]:
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     try:
         root = loader.get_single_node()
+        if root is not None:
+            _check_nodes(root)
         return root, loader.construct_document(root) if root is not None else None
     finally:
         loader.dispose()
+
+
+def _check_nodes(root: yaml.Node) -> None:
+    """What YAML allows and a manifest must not have: a key given twice (the last would win
+    silently: a reviewer would read claims that are never judged) and aliases (`*name`), which
+    can make a small file expand into gigabytes. Each problem with its line."""
+    problems = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:  # the composer gives an alias the very node of its anchor
+            line = node.start_mark.line + 1
+            problems.append(
+                ManifestProblem("", "an anchor reused by an alias (*name): not allowed", line)
+            )
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: set[str] = set()
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value in keys:
+                    line = key.start_mark.line + 1
+                    problems.append(ManifestProblem(key.value, "given twice", line))
+                keys.add(key.value if isinstance(key, yaml.ScalarNode) else "")
+                stack += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+    if problems:
+        raise ManifestError(sorted(problems, key=lambda p: p.line or 0))
 
 
 def load_manifest_file(path: Path) -> ScopeManifest:
@@ -253,6 +285,9 @@ def load_manifest_file(path: Path) -> ScopeManifest:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ManifestError([ManifestProblem("", f"cannot read {path}: {exc.strerror}")]) from None
+    except UnicodeDecodeError as exc:
+        problem = f"not UTF-8 text (byte {exc.start} of {path.name})"
+        raise ManifestError([ManifestProblem("", problem)]) from None
     return load_manifest(text)
 
 

@@ -119,3 +119,32 @@ def test_cli_missing_file_exits_2(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["validate", str(tmp_path / "nope.yaml")])
     assert result.exit_code == 2
     assert "cannot read" in result.output
+
+
+def test_a_key_given_twice_is_refused_with_its_line() -> None:
+    """YAML lets the last of two equal keys win: a second, empty `claims:` would hide every
+    claim a reviewer reads above it from the judgement."""
+    text = GOOD + "claims: []\n"
+    line = len(text.splitlines())
+    assert _problems(text) == [f"line {line}: claims: given twice"]
+
+
+def test_aliases_are_refused_so_a_small_file_cannot_expand() -> None:
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(c + 1)}: &{chr(c + 1)} [*{chr(c)}, *{chr(c)}, *{chr(c)}, *{chr(c)}]\n"
+        for c in range(ord("a"), ord("j"))
+    )
+    problems = _problems(GOOD.replace("summary:", bomb + "summary:", 1))
+    assert problems and all("an anchor reused by an alias" in p for p in problems)
+    assert _problems("a: &x [1]\nb: *x\n") == [
+        "line 1: (manifest): an anchor reused by an alias (*name): not allowed"
+    ]
+
+
+def test_a_manifest_that_is_not_utf8_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(GOOD.encode() + b"# caf\xe9\n")
+    result = CliRunner().invoke(app, ["check", str(bad)])
+    assert result.exit_code == 2
+    assert "not UTF-8 text" in " ".join(result.output.split())
+    assert "Traceback" not in result.output

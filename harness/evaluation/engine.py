@@ -124,7 +124,13 @@ def evaluate(
         run = _run_path(manifest, plan, host, secret_seed, options, progress, record)
     claims = [check_claim(claim, run.cases, host.gpu) for claim in manifest.claims]
     verdict, reasons = decide(
-        run.cases, run.probes, claims, list(plan.not_run), run.tampering, run.decode_check
+        run.cases,
+        run.probes,
+        claims,
+        list(plan.not_run),
+        run.tampering,
+        run.decode_check,
+        list(plan.left_out),
     )
     command = options.command or reproduce_command(
         f"scopes/{manifest.name}.yaml", host.device, options.quick, secret_seed, options.gpus

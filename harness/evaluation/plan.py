@@ -40,6 +40,9 @@ class Plan:
     cases: tuple[Case, ...]
     probes: tuple[Case, ...]
     not_run: tuple[str, ...]  # e.g. "gpus=8: needs 8x GB300, this host has 1x H200"
+    # the GPU counts of the scope this host could not run (a part of not_run): a run that left
+    # part of its scope out is no PASS (a `--gpus N` job leaves the other counts out on purpose)
+    left_out: tuple[str, ...] = ()
 
     @property
     def runnable(self) -> bool:
@@ -88,14 +91,21 @@ def make_plan(
     """`gpus`: run only the cases of that GPU count (a job of the gpu.<kind>.x<gpus> queue);
     None: every count this host can serve."""
     runnable_gpus, not_run = _gpu_counts_here(manifest, host, gpus)
+    left_out = tuple(not_run)
     if not runnable_gpus:
-        return Plan((), (), tuple(not_run))
+        return Plan((), (), tuple(not_run), left_out)
     rng = random.Random(derive_seed(secret_seed, "plan"))
     workload = manifest.workload
-    batches = _thin(grid_values(workload.batch, rng, 2), quick)
+    batches = _with_claimed(
+        _thin(grid_values(workload.batch, rng, 2), quick), _claimed(manifest, "batch")
+    )
     contexts: list[tuple[int | None, str]] = [(None, "grid")]
     if workload.context is not None:
-        contexts = list(_thin(grid_values(workload.context, rng, 2), quick))
+        contexts = list(
+            _with_claimed(
+                _thin(grid_values(workload.context, rng, 2), quick), _claimed(manifest, "context")
+            )
+        )
     base = Case(
         batch=workload.batch.min,
         context=workload.context.min if workload.context else None,
@@ -120,7 +130,26 @@ def make_plan(
                     cases.append(
                         replace(base, batch=batch, context=context, cp=cp, gpus=gpus, origin=origin)
                     )
-    return Plan(tuple(cases), tuple(_probes(manifest, base)), tuple(not_run))
+    return Plan(tuple(cases), tuple(_probes(manifest, base)), tuple(not_run), left_out)
+
+
+def _claimed(manifest: ScopeManifest, key: str) -> set[int]:
+    """The values of `key` that some claim's `where` names: every one must be measured, or the
+    claim would be judged on the others alone."""
+    values: set[int] = set()
+    for claim in manifest.claims:
+        wanted = claim.where.get(key)
+        values.update(wanted if isinstance(wanted, list) else [] if wanted is None else [wanted])
+    return values
+
+
+def _with_claimed(values: list[tuple[int, str]], claimed: set[int]) -> list[tuple[int, str]]:
+    """`values` plus the claimed ones it lacks (as grid points); out-of-range ones stay out, and
+    the claim then finds no case for them."""
+    have = {value for value, _ in values}
+    low, high = min(have), max(have)
+    extra = [(v, "grid") for v in claimed if v not in have and low <= v <= high]
+    return sorted(values + extra)
 
 
 def _thin(values: list[tuple[int, str]], quick: bool) -> list[tuple[int, str]]:
@@ -164,7 +193,8 @@ def _probes(manifest: ScopeManifest, base: Case) -> list[Case]:
         probes.append(
             replace(base, context=workload.context.max + 1, origin="probe: context above max")
         )
-    unlisted_cp = next(d for d in (2, 4, 8, 16, 32, 3) if d not in workload.context_parallel)
+    listed = workload.context_parallel
+    unlisted_cp = next((d for d in (2, 4, 8, 16, 32, 3) if d not in listed), max(listed) + 1)
     probes.append(replace(base, cp=unlisted_cp, origin="probe: unlisted CP degree"))
     probes.append(replace(base, dtype=OTHER_DTYPE[base.dtype], origin="probe: other dtype"))
     return probes

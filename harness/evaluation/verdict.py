@@ -71,6 +71,9 @@ def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> Claim
         return result("not_measurable", "CPU timings are not GPU evidence")
     if not selected:
         return result("not_measurable", "no measured case matches its `where`")
+    unmeasured = _unmeasured(claim, selected)
+    if unmeasured:
+        return result("inconclusive", f"no measured case has {', '.join(unmeasured)}")
     per_case = [(c.id, *_metric(claim, c.performance)) for c in selected if c.performance]
     statuses = [
         (interval_status(claim, low, high), case_id, value, (low, high))
@@ -99,8 +102,22 @@ def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> Claim
     )
 
 
+def _unmeasured(claim: Claim, selected: list[CaseEvidence]) -> list[str]:
+    """The values the claim's `where` names that no selected case has (key=value)."""
+    missing = []
+    for key, wanted in claim.where.items():
+        for value in wanted if isinstance(wanted, list) else [wanted]:
+            if not any(_case_values(case)[key] == value for case in selected):
+                missing.append(f"{key}={value}")
+    return missing
+
+
+def _case_values(case: CaseEvidence) -> dict[str, int | None]:
+    return {"batch": case.batch, "context": case.context, "cp": case.cp, "gpus": case.gpus}
+
+
 def _selected(claim: Claim, case: CaseEvidence) -> bool:
-    values = {"batch": case.batch, "context": case.context, "cp": case.cp, "gpus": case.gpus}
+    values = _case_values(case)
     for key, wanted in claim.where.items():
         allowed = wanted if isinstance(wanted, list) else [wanted]
         if values[key] not in allowed:
@@ -176,7 +193,10 @@ def decide(
     not_run: list[str],
     tampering: list[str] | None = None,
     decode_check: DecodeCheckEvidence | None = None,
+    left_out: list[str] | None = None,
 ) -> tuple[Verdict, list[str]]:
+    """The verdict and its reasons. `left_out`: parts of the scope this host could not run (a
+    PASS would speak for them too)."""
     failures = [f"tampering: {t}" for t in tampering or []]
     if decode_check is not None and decode_check.status in ("failed", "crashed"):
         failures.append(
@@ -205,6 +225,8 @@ def decide(
     ]
     if open_claims:
         return "INCONCLUSIVE", open_claims
+    if left_out:
+        return "INCONCLUSIVE", [f"part of the scope did not run here: {why}" for why in left_out]
     verified = sum(c.status == "verified" for c in claims)
     return "PASS", [
         f"all {len(cases)} cases correct, guard right on all {len(probes)} probes, "

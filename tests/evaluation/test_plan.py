@@ -143,3 +143,31 @@ def test_on_ranks_every_batch_of_timed_pairs_starts_aligned() -> None:
     assert len(timing.stock_us) == 6
     batches = "".join("|" if e == "align" else e[0] for e in events).split("|")
     assert batches == ["", "sccs", "sccs", "sccs"]  # A B, B A: three batches, each aligned
+
+
+def _claiming(manifest: ScopeManifest, where: dict) -> ScopeManifest:
+    data = manifest.model_dump()
+    data["claims"] = [{"metric": "speedup", "where": where, "at_least": 1.0}]
+    return ScopeManifest.model_validate(data)
+
+
+def test_every_value_a_claim_names_is_measured_even_in_quick_mode() -> None:
+    manifest = _claiming(_with_context(_rmsnorm()), {"batch": [3, 8], "context": 5000})
+    for quick in (False, True):
+        plan = make_plan(manifest, Host("cpu", 1), secret_seed=5, quick=quick)
+        assert {3, 8} <= {c.batch for c in plan.cases}
+        assert 5000 in {c.context for c in plan.cases}
+    outside = _claiming(_with_context(_rmsnorm()), {"batch": [100]})  # above the scope's 64
+    assert 100 not in {c.batch for c in make_plan(outside, Host("cpu", 1), secret_seed=5).cases}
+
+
+def test_gpu_counts_the_host_lacks_are_left_out_and_cp_combinations_only_noted() -> None:
+    data = _rmsnorm().model_dump()
+    data["hardware"]["gpus"] = [1, 16]
+    data["workload"]["context_parallel"] = [1, 2, 3, 4, 8, 16, 32]  # every degree probes try
+    plan = make_plan(ScopeManifest.model_validate(data), Host("cpu", 1), secret_seed=5)
+    assert plan.left_out == ("gpus=16: needs 16x cpu, this host has 1",)
+    assert "cp=2 with gpus=1: a CP degree needs that many GPUs" in plan.not_run
+    assert "cp=2 with gpus=1: a CP degree needs that many GPUs" not in plan.left_out
+    [cp_probe] = [p for p in plan.probes if p.origin == "probe: unlisted CP degree"]
+    assert cp_probe.cp == 33

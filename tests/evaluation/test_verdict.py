@@ -96,6 +96,8 @@ CASES = [
         ({"metric": "kernels_per_layer", "at_most": 2}, "verified"),
         ({"metric": "hbm_fraction", "where": {"batch": 1}, "at_least": 0.7}, "verified"),
         ({"metric": "speedup", "where": {"batch": 3}, "at_least": 1.0}, "not_measurable"),
+        # batch 48 never measured: judging the claim on batch 1 alone would verify it
+        ({"metric": "speedup", "where": {"batch": [1, 48]}, "at_least": 1.1}, "inconclusive"),
         ({"metric": "speedup", "at_least": 1.0, "hardware": "GB300"}, "not_measurable"),
         ({"metric": "tokens_per_s", "at_least": 100}, "not_measurable"),
     ],
@@ -205,3 +207,15 @@ def test_infinite_errors_survive_the_json_round_trip() -> None:
     assert (
         back.correctness.trials[0].outputs[0].cosine != back.correctness.trials[0].outputs[0].cosine
     )
+
+
+def test_a_run_that_left_part_of_its_scope_out_is_no_pass() -> None:
+    left_out = ["gpus=16: needs 16x H200, this host has 1"]
+    verdict, reasons = decide(
+        CASES, [PROBE_OK], [_claim("verified")], left_out, None, None, left_out
+    )
+    assert verdict == "INCONCLUSIVE"
+    assert reasons == [f"part of the scope did not run here: {left_out[0]}"]
+    # a failure still decides
+    failed = [*CASES, _case(2, None, "failed")]
+    assert decide(failed, [PROBE_OK], [], left_out, None, None, left_out)[0] == "FAIL"

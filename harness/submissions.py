@@ -202,8 +202,9 @@ def _finish_submission(session: Session, submission: Submission, jobs: list[Job]
 
 
 def combined_verdict(evidences: list[Evidence]) -> Verdict:
-    """One verdict over jobs on different hardware: a claim counts as verified when any job
-    verified it (each claim names the hardware it needs), refuted when any job refuted it."""
+    """One verdict over jobs on different hardware: a claim counts as verified when some job
+    verified it and none left it open (inconclusive) or refuted it; a job that could not
+    measure it (other hardware) does not count against it."""
     if not evidences or any(e.verdict == "FAIL" for e in evidences):
         return "FAIL" if evidences else "INCONCLUSIVE"
     if any(e.verdict == "NEEDS_REVIEW" for e in evidences):
@@ -214,7 +215,13 @@ def combined_verdict(evidences: list[Evidence]) -> Verdict:
     # manifest changed between rounds) never index past each other.
     claims = {claim.description for e in evidences for claim in e.claims}
     verified = {c.description for e in evidences for c in e.claims if c.status == "verified"}
-    return "PASS" if claims <= verified else "INCONCLUSIVE"
+    disputed = {
+        c.description
+        for e in evidences
+        for c in e.claims
+        if c.status in ("inconclusive", "refuted")
+    }
+    return "PASS" if claims <= verified - disputed else "INCONCLUSIVE"
 
 
 def _reasons(session: Session, submission: Submission, jobs: list[Job]) -> list[str]:

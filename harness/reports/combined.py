@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 from harness.evaluation.evidence import Evidence
 from harness.reports.facts import SourceInfo
 from harness.reports.html import render_report_section, render_sections_page
+from harness.reports.markdown import inline_text
 from harness.store import repositories as repo
 from harness.store.models import Submission
 
@@ -83,7 +84,9 @@ def serving_provenance(result: dict[str, Any]) -> str:
 def render_combined_markdown(report: dict[str, Any]) -> str:
     verdict = report["verdict"] or report["state"]
     lines = [f"# Submission {report['submission']}: {report['scope']}: **{verdict}**", ""]
-    lines += [f"- {reason}" for reason in report["verdict_reasons"]] + [""]
+    # reasons and a job's reason can carry a candidate's exception text: escaped as the job
+    # reports escape it
+    lines += [f"- {inline_text(reason)}" for reason in report["verdict_reasons"]] + [""]
     source = report["source"]
     if source["kind"] == "git":
         lines += [
@@ -96,7 +99,7 @@ def render_combined_markdown(report: dict[str, Any]) -> str:
     for job in report["jobs"]:
         lines += [f"## Job {job['id']} on `{job['queue']}`: {job['state']}", ""]
         if job["reason"] and not job["markdown"]:
-            lines += [job["reason"], ""]
+            lines += [inline_text(job["reason"]), ""]
         if job["markdown"]:
             body = job["markdown"].split("\n", 1)[1] if "\n" in job["markdown"] else ""
             lines += [body.replace("\n## ", "\n### "), ""]
@@ -109,16 +112,14 @@ def _serving_markdown(results: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["## Serving results (attached `vllm bench serve` files)", ""]
     for result in results:
-        lines += [f"- {_md(serving_provenance(result))}", ""]
+        lines += [f"- {inline_text(serving_provenance(result))}", ""]
         lines += ["  | metric | value | vLLM key |", "  |---|---|---|"]
-        lines += [f"  | {_md(w)} | {_md(v)} | `{_md(k)}` |" for w, v, k in serving_rows(result)]
+        lines += [
+            f"  | {inline_text(w)} | {inline_text(v)} | `{inline_text(k)}` |"
+            for w, v, k in serving_rows(result)
+        ]
         lines += [""]
     return lines
-
-
-def _md(text: str) -> str:
-    # attached files carry submitted text: keep it from opening HTML or breaking a table
-    return str(text).replace("<", "&lt;").replace("|", "\\|").replace("\n", " ")
 
 
 def render_combined_html(report: dict[str, Any]) -> str:

@@ -31,8 +31,8 @@ CLAIM_STATUS_WORDS = {
 
 def render_markdown(evidence: Evidence, source: SourceInfo | None = None) -> str:
     lines = [f"# pathgate: {evidence.scope}: **{evidence.verdict}**", ""]
-    lines += _capped([f"- {_text(r)}" for r in evidence.verdict_reasons], "verdict reasons")
-    lines += [""] + [f"> {_text(note)}" for note in evidence.notes]
+    lines += _capped([f"- {inline_text(r)}" for r in evidence.verdict_reasons], "verdict reasons")
+    lines += [""] + [f"> {inline_text(note)}" for note in evidence.notes]
     lines += [""] if evidence.notes else []
     lines += _warnings(evidence) + _claims(evidence) + _correctness(evidence)
     lines += _decode_check(evidence)
@@ -42,7 +42,7 @@ def render_markdown(evidence: Evidence, source: SourceInfo | None = None) -> str
     return _within_budget("\n".join(lines))
 
 
-def _text(value: object) -> str:
+def inline_text(value: object) -> str:
     # Evidence carries submitted text (exception messages, names): keep it from opening HTML
     # (GitHub renders inline HTML) or breaking a table row.
     return TAG_OPENER.sub("&lt;", str(value)).replace("|", "\\|").replace("\n", " ")
@@ -57,14 +57,14 @@ def _capped(lines: list[str], what: str) -> list[str]:
 
 def _decode_check(evidence: Evidence) -> list[str]:
     line = facts.decode_check_line(evidence)
-    return [] if line is None else ["## Model-level decode check", "", _text(line), ""]
+    return [] if line is None else ["## Model-level decode check", "", inline_text(line), ""]
 
 
 def _warnings(evidence: Evidence) -> list[str]:
     found = facts.warnings(evidence)
     if not found:
         return []
-    return ["## Warnings", "", *[f"- {_text(w)}" for w in found], ""]
+    return ["## Warnings", "", *[f"- {inline_text(w)}" for w in found], ""]
 
 
 def _claims(evidence: Evidence) -> list[str]:
@@ -79,7 +79,7 @@ def _claims(evidence: Evidence) -> list[str]:
     for row in facts.claim_rows(evidence):
         cells = [row.metric, row.where, row.hardware, row.claimed, row.measured, row.ci95]
         cells += [CLAIM_STATUS_WORDS[row.status], row.reason]
-        lines.append("| " + " | ".join(_text(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(inline_text(c) for c in cells) + " |")
     return [*lines, ""]
 
 
@@ -94,10 +94,13 @@ def _correctness(evidence: Evidence) -> list[str]:
     if summary.worst_case is not None:
         lines.append(
             f"Worst error ratio (candidate error / stock error vs the float64 reference): "
-            f"{facts.fmt(summary.worst_ratio, 3)} at `{_text(summary.worst_case)}`."
+            f"{facts.fmt(summary.worst_ratio, 3)} at `{inline_text(summary.worst_case)}`."
         )
     failing = [c for c in evidence.cases if c.reasons] + [p for p in evidence.probes if p.reasons]
-    items = [f"- `{_text(i.id)}` ({i.origin}): {_text('; '.join(i.reasons))}" for i in failing]
+    items = [
+        f"- `{inline_text(i.id)}` ({i.origin}): {inline_text('; '.join(i.reasons))}"
+        for i in failing
+    ]
     return [*lines, "", *_capped(items, "failing cases or probes"), *([""] if items else [])]
 
 
@@ -133,7 +136,7 @@ def _cases_to_show(cases: list[CaseEvidence]) -> list[CaseEvidence]:
 
 def _case_row(case: CaseEvidence) -> str:
     ratio = f"{case.correctness.worst_error_ratio:.2f}" if case.correctness else "-"
-    head = f"| {_text(case.id)} | {case.origin} | {case.status} | {ratio}"
+    head = f"| {inline_text(case.id)} | {case.origin} | {case.status} | {ratio}"
     perf = case.performance
     if perf is None:
         return f"{head} | - | - | - | - |"
@@ -165,7 +168,7 @@ def _coverage(evidence: Evidence) -> list[str]:
         "",
     ]
     if cov.not_run:
-        items = [f"- {_text(item)}" for item in cov.not_run]
+        items = [f"- {inline_text(item)}" for item in cov.not_run]
         lines += ["Could not run on this hardware:", "", *_capped(items, "items"), ""]
     return lines
 
@@ -178,7 +181,8 @@ def _list(values: list[int]) -> str:
 
 def _environment(evidence: Evidence, source: SourceInfo | None) -> list[str]:
     rows = [
-        f"| {label} | {_text(value)} |" for label, value in facts.environment_rows(evidence, source)
+        f"| {label} | {inline_text(value)} |"
+        for label, value in facts.environment_rows(evidence, source)
     ]
     return ["## Environment", "", "| | |", "|---|---|", *rows, ""]
 

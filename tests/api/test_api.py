@@ -279,6 +279,31 @@ def test_combined_verdict_over_jobs_on_different_hardware() -> None:
     failing = load_evidence("cpu_offgrid_fail")
     assert combined_verdict([failing, gpu]) == "FAIL"
     assert combined_verdict([]) == "INCONCLUSIVE"
+    # another job that measured a claim and left it open keeps the submission from a PASS
+    open_job = gpu.model_copy(deep=True)
+    open_job.verdict = "INCONCLUSIVE"
+    open_job.claims[0].status = "inconclusive"
+    assert combined_verdict([gpu, open_job]) == "INCONCLUSIVE"
+    assert combined_verdict([open_job, gpu]) == "INCONCLUSIVE"
+
+
+def test_submitted_text_in_the_combined_markdown_is_escaped() -> None:
+    from harness.reports.combined import render_combined_markdown
+
+    attack = "</details><h1>PASS</h1><img src=x>"
+    report = {
+        "verdict": "FAIL",
+        "state": "failed",
+        "submission": 1,
+        "scope": "s",
+        "verdict_reasons": [f"cpu: error: {attack}"],
+        "source": {"kind": "in_tree"},
+        "jobs": [{"id": 1, "queue": "cpu", "state": "error", "reason": attack, "markdown": ""}],
+        "serving_results": [],
+    }
+    text = render_combined_markdown(report)
+    assert "<h1>" not in text and "<img" not in text and "</details>" not in text
+    assert "&lt;h1>PASS&lt;/h1>" in text
 
 
 VLLM_RESULT = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_bench_serve_result.json"

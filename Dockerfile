@@ -4,6 +4,6 @@ FROM python:3.12-slim
 RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY . /app
-RUN pip install --no-cache-dir -e '.[gpu]'
+RUN pip install --no-cache-dir -e '.[gpu,github]'
 RUN useradd --create-home pathgate && mkdir -p /var/lib/pathgate && chown pathgate /var/lib/pathgate
 USER pathgate

@@ -219,6 +219,9 @@ def submit(
     """Submit a scope to a pathgate service; with --wait, exit like `validate` on its verdict."""
     from harness.client import SubmitError, submit_and_wait
 
+    if (git_url is None) != (git_sha is None):  # else the in-tree code would run unasked
+        console.print("[red]error:[/red] --git-url and --git-sha go together", markup=True)
+        raise typer.Exit(EXIT_USAGE)
     _load_or_exit(scope)
     try:
         final = submit_and_wait(

@@ -111,6 +111,16 @@ def test_submit_checks_the_manifest_before_sending(tmp_path: Path) -> None:
     assert "workload.phase" in result.output
 
 
+@pytest.mark.parametrize("given", [["--git-sha", "0" * 40], ["--git-url", "https://x.invalid/r"]])
+def test_submit_with_half_a_git_source_exits_2(given: list[str]) -> None:
+    """A SHA without its repository (or the reverse) would have run the in-tree code."""
+    result = CliRunner().invoke(
+        app, ["submit", str(SCOPE), "--server", "http://127.0.0.1:9", "--token", "x", *given]
+    )
+    assert result.exit_code == 2
+    assert "--git-url and --git-sha go together" in result.output
+
+
 def test_submit_to_no_server_exits_2() -> None:
     result = CliRunner().invoke(
         app, ["submit", str(SCOPE), "--server", "http://127.0.0.1:9", "--token", "x"]

@@ -136,6 +136,8 @@ def _attach(raw: bytes, submission_id: int, name: str, token: ApiToken) -> Servi
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"{name}: not JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput(f"{name}: JSON nested too deeply") from None
     try:
         imported = parse_vllm_result(data, name, hashlib.sha256(raw).hexdigest())
     except VllmResultError as exc:

@@ -341,8 +341,9 @@ def test_a_vllm_result_attached_to_a_submission_becomes_evidence_rows(
         (b"not json", "not JSON"),
         (b"[1, 2]", "expected one JSON object"),
         (b'{"date": "20261202-120000"}', "backend"),
+        (b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
     ],
-    ids=["not-json", "a-list", "missing-fields"],
+    ids=["not-json", "a-list", "missing-fields", "nested-too-deeply"],
 )
 def test_a_bad_vllm_result_is_422_and_stores_nothing(
     client: TestClient, alice: dict[str, str], content: bytes, expected: str

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -24,8 +24,12 @@ from harness.evaluation.evidence import Evidence
 from harness.serving.cli import app as serving_app
 from scopes.manifest import ManifestError, ScopeManifest, load_manifest_file
 
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3, "NEEDS_REVIEW": 4}
 EXIT_USAGE = 2
+TOKEN_NAME_MAX = 100  # ApiToken.name's column
 EXIT_NO_VERDICT = 5  # the run stopped before a verdict: an internal error
 EXIT_INTERRUPTED = 130
 VERDICT_STYLE = {
@@ -171,16 +175,67 @@ def db_downgrade(revision: Annotated[str, typer.Argument()] = "base") -> None:
 @token_app.command("create")
 def token_create(
     role: Annotated[Role, typer.Option(help="contributor or maintainer")],
-    name: Annotated[str, typer.Option(help="who or what holds it")],
+    name: Annotated[str, typer.Option(help="who or what holds it (at most 100 characters)")],
 ) -> None:
     """Create an API token; the token is printed once, as the last word of the output."""
     from harness.store import repositories as repo
-    from harness.store.db import session_scope
 
-    with session_scope() as session:
+    if not 1 <= len(name) <= TOKEN_NAME_MAX:
+        console.print(f"[red]error:[/red] --name takes 1 to {TOKEN_NAME_MAX} characters")
+        raise typer.Exit(EXIT_USAGE)
+    with _database_session() as session:
         token, plaintext = repo.create_token(session, name, role.value)
         repo.record_audit(session, "cli", "token.create", f"token:{token.id}", {"role": role.value})
     print(f"created {role.value} token {token.id} for {name}: {plaintext}")
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """List the API tokens (never their values): id, role, name, created, revoked."""
+    from harness.store import repositories as repo
+
+    with _database_session() as session:
+        for token in repo.list_tokens(session):
+            revoked = f"revoked {token.revoked_at:%Y-%m-%d %H:%M}" if token.revoked_at else "active"
+            created = f"created {token.created_at:%Y-%m-%d %H:%M}"
+            print("\t".join([str(token.id), token.role, token.name, created, revoked]))
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[int, typer.Argument(help="the id `token list` shows")],
+) -> None:
+    """Revoke an API token: its requests and dashboard sessions are refused from now on."""
+    from harness.store import repositories as repo
+
+    with _database_session() as session:
+        token = repo.revoke_token(session, token_id)
+        if token is None:
+            console.print(f"[red]error:[/red] no token {token_id}")
+            raise typer.Exit(EXIT_USAGE)
+        repo.record_audit(session, "cli", "token.revoke", f"token:{token.id}", {})
+    out_console.print(f"revoked token {token_id} ({token.name})")
+
+
+@contextmanager
+def _database_session() -> Iterator[Session]:
+    """A unit of work for a CLI command; a database that is missing its tables, or cannot be
+    reached, ends the command with a message (exit 2) rather than a traceback."""
+    from sqlalchemy.exc import OperationalError, ProgrammingError
+
+    from harness.store.db import session_scope
+
+    try:
+        with session_scope() as session:
+            yield session
+    except (OperationalError, ProgrammingError) as exc:
+        console.print(
+            f"[red]error:[/red] the database at {get_settings().database_url} is not ready "
+            f"({type(exc.orig).__name__}): run `pathgate db upgrade` (or `pathgate serve`, "
+            "which does), and check that its server is up",
+            markup=True,
+        )
+        raise typer.Exit(EXIT_USAGE) from None
 
 
 @app.command()

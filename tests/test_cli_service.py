@@ -43,6 +43,41 @@ def test_token_create_prints_the_token_last(database_url: str) -> None:
     assert bad.exit_code == 2
 
 
+def test_token_list_and_revoke(database_url: str) -> None:
+    created = CliRunner().invoke(app, ["token", "create", "--role", "contributor", "--name", "bob"])
+    token = created.output.split()[-1]
+    listed = CliRunner().invoke(app, ["token", "list"])
+    assert listed.exit_code == 0
+    [line] = [row for row in listed.output.splitlines() if "\tbob\t" in row]
+    token_id = line.split("\t")[0]
+    assert line.endswith("active") and token not in listed.output  # never the value
+    revoked = CliRunner().invoke(app, ["token", "revoke", token_id])
+    assert revoked.exit_code == 0, revoked.output
+    with session_scope() as session:
+        assert repo.find_token(session, token) is None  # the API refuses it from now on
+    assert CliRunner().invoke(app, ["token", "list"]).output.count("revoked ") == 1
+    missing = CliRunner().invoke(app, ["token", "revoke", "999999"])
+    assert missing.exit_code == 2 and "no token 999999" in missing.output
+
+
+def test_token_create_with_a_name_too_long_exits_2(database_url: str) -> None:
+    result = CliRunner().invoke(
+        app, ["token", "create", "--role", "contributor", "--name", "x" * 101]
+    )
+    assert result.exit_code == 2
+    assert "1 to 100 characters" in result.output
+
+
+def test_token_create_before_the_tables_exist_says_what_to_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_database(monkeypatch, f"sqlite:///{tmp_path / 'empty.db'}")
+    result = CliRunner().invoke(app, ["token", "create", "--role", "contributor", "--name", "a"])
+    assert result.exit_code == 2
+    assert "pathgate db upgrade" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
 @pytest.fixture
 def server(database_url: str) -> Iterator[str]:
     sock = socket.socket()

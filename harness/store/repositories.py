@@ -41,6 +41,19 @@ def create_token(session: Session, name: str, role: str) -> tuple[ApiToken, str]
     return token, plaintext
 
 
+def list_tokens(session: Session) -> list[ApiToken]:
+    return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+
+
+def revoke_token(session: Session, token_id: int) -> ApiToken | None:
+    """Revoke a token (its sessions end with it); None if there is no such token. Revoking a
+    revoked token keeps its first revocation time."""
+    token = session.get(ApiToken, token_id)
+    if token is not None and token.revoked_at is None:
+        token.revoked_at = utcnow()
+    return token
+
+
 def find_token(session: Session, plaintext: str) -> ApiToken | None:
     return session.scalar(
         select(ApiToken).where(

@@ -40,7 +40,9 @@ class RateLimiter:
 
 
 class BodySizeLimit:
-    """413 for a body over max_bytes, by Content-Length or by counting a streamed body."""
+    """413 for a body over max_bytes: by its Content-Length, or, for a body sent without one
+    (chunked), by reading it here first. Counting it while a route reads it would be too late:
+    FastAPI turns any error while it parses a body into a 400."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -50,27 +52,38 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        if declared is not None:  # the server holds the body to it
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                await _too_large(send, self.max_bytes)
+                return
+            await self.app(scope, receive, send)
+            return
+        messages = await _read_body(receive, self.max_bytes)
+        if messages is None:
             await _too_large(send, self.max_bytes)
             return
-        received = 0
+        pending = iter(messages)
 
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise _BodyTooLarge
-            return message
+        async def replay() -> Message:
+            return next(pending, None) or await receive()
 
-        try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
-            await _too_large(send, self.max_bytes)
+        await self.app(scope, replay, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+async def _read_body(receive: Receive, max_bytes: int) -> list[Message] | None:
+    """The request's messages up to its last body part (or a disconnect); None once the body
+    passes max_bytes."""
+    messages, received = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages
+        received += len(message.get("body", b""))
+        if received > max_bytes:
+            return None
+        if not message.get("more_body", False):
+            return messages
 
 
 async def _too_large(send: Send, max_bytes: int) -> None:

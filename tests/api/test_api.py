@@ -4,6 +4,7 @@ error the issue names (422 with field paths, 401, 403, 404, 413, 429)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -223,6 +224,29 @@ def test_body_over_limit_is_413(client: TestClient, alice: dict[str, str]) -> No
         "/v1/submissions", json={"manifest": huge, "source": {"kind": "in_tree"}}, headers=alice
     )
     assert response.status_code == 413
+
+
+def test_a_chunked_body_over_limit_is_413_and_a_small_one_is_read(
+    client: TestClient, alice: dict[str, str]
+) -> None:
+    """Without a Content-Length the body arrives in chunks; its size is known only by reading."""
+    limit = get_settings().max_body_bytes
+    chunk = b"x" * 65536
+
+    def chunks(total: int) -> Iterator[bytes]:
+        for _ in range(total // len(chunk) + 1):
+            yield chunk
+
+    for url in ("/v1/submissions", "/v1/scopes/validate"):
+        response = client.post(url, content=chunks(limit + 10), headers=alice)
+        assert response.status_code == 413, (url, response.text)
+    body = json.dumps({"manifest": RMSNORM, "source": {"kind": "in_tree"}}).encode()
+    small = client.post(
+        "/v1/submissions",
+        content=iter([body[:100], body[100:]]),
+        headers={**alice, "content-type": "application/json"},
+    )
+    assert small.status_code == 201, small.text
 
 
 def test_rate_limit_is_429_with_retry_after(

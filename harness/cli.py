@@ -75,7 +75,7 @@ def validate(
     in the output folder; `--resume` (with the same options) runs only the cases an
     interrupted run had not finished."""
     from harness.evaluation import checkpoint
-    from harness.evaluation.engine import EngineOptions, evaluate, reproduce_command
+    from harness.evaluation.engine import EngineOptions, evaluate
     from harness.reports.markdown import render_markdown
 
     manifest = _load_or_exit(scope)
@@ -97,13 +97,12 @@ def validate(
     if earlier is not None and seed is None:
         seed = earlier.seed  # the plan is a function of the seed: the same cases
     command_seed = seed if seed is not None else secrets.randbits(63)
-    command = reproduce_command(str(scope), device.value, quick, command_seed, gpus)
     options = EngineOptions(
         device=device.value,
         quick=quick,
         seed=command_seed,
         gpus=gpus,
-        command=command,
+        scope_path=str(scope),
         checkpoint=checkpoint_path,
         resume=earlier,
     )

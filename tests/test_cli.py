@@ -104,6 +104,20 @@ def test_the_seed_reproduces_the_plan_and_the_numbers(tmp_path: Path) -> None:
     assert errors == [[t["outputs"] for t in c["correctness"]["trials"]] for c in second["cases"]]
 
 
+def test_the_reproduce_command_names_the_device_the_run_resolved(tmp_path: Path) -> None:
+    """`--device auto` on this host ran on the CPU; on a GPU host `auto` would pick CUDA, so
+    the command that reproduces this run must say `cpu`."""
+    scope = _small_scope(tmp_path, [])
+    out = tmp_path / "auto"
+    args = ["validate", str(scope), "--device", "auto", "--quick", "--seed", "7", "--out", str(out)]
+    CliRunner().invoke(app, args)
+    evidence = json.loads((out / "evidence.json").read_text())
+    assert evidence["run"]["device"] == "cpu"
+    assert evidence["run"]["command"] == (
+        f"pathgate validate {scope} --device cpu --seed 7 --quick"
+    )
+
+
 def test_schema_command_prints_json_schema() -> None:
     result = CliRunner().invoke(app, ["schema"])
     assert result.exit_code == 0

@@ -91,7 +91,7 @@ class EngineOptions:
     trials: int | None = None  # correctness trials per case; None: 2 quick, 3 otherwise
     max_layers: int | None = None  # layers per timed step; None: 64 on CUDA, 2 on CPU
     stop: StopRule | None = None
-    command: str = ""
+    scope_path: str = ""  # as the command line named it, for the reproduce command
     checkpoint: Path | None = None  # written after every case (harness.evaluation.checkpoint)
     resume: checkpoints.Checkpoint | None = None  # an interrupted run's cases, not run again
 
@@ -132,9 +132,9 @@ def evaluate(
         run.decode_check,
         list(plan.left_out),
     )
-    command = options.command or reproduce_command(
-        f"scopes/{manifest.name}.yaml", host.device, options.quick, secret_seed, options.gpus
-    )
+    # the resolved device, not `auto`: on another host `auto` may pick another device
+    scope_path = options.scope_path or f"scopes/{manifest.name}.yaml"
+    command = reproduce_command(scope_path, host.device, options.quick, secret_seed, options.gpus)
     return Evidence(
         verdict=verdict,
         verdict_reasons=reasons,

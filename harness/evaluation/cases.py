@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -29,6 +29,12 @@ class Case:
     @property
     def is_probe(self) -> bool:
         return self.origin.startswith("probe")
+
+    def for_guard(self) -> Case:
+        """The case as `supports` sees it: without its origin. A guard that could tell a probe
+        or the decode check from a real case could answer those right and accept anything
+        else."""
+        return replace(self, origin="")
 
     def key(self) -> dict[str, int | None]:
         """The values a claim's `where` can select on."""

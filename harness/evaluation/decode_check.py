@@ -243,6 +243,24 @@ def not_run(manifest: ScopeManifest, why: str) -> DecodeCheckEvidence:
     return _evidence(settings, "", settings.prompts, [why])
 
 
+def failed(manifest: ScopeManifest, case_id: str, why: str) -> DecodeCheckEvidence:
+    settings = manifest.model_check
+    return _evidence(settings, case_id, settings.prompts, [why]).model_copy(
+        update={"status": "failed"}
+    )
+
+
+def in_scope(manifest: ScopeManifest, case: Case) -> bool:
+    """Whether the check's case lies in the scope (its batch and context are in range by
+    construction): the scope's GPU kind, GPU count and CP degree."""
+    hardware = manifest.hardware
+    return (
+        case.gpu in hardware.gpu
+        and case.gpus in hardware.gpus
+        and case.cp in manifest.workload.context_parallel
+    )
+
+
 def _evidence(
     settings: ModelCheck, case_id: str, prompts: int, reasons: list[str]
 ) -> DecodeCheckEvidence:

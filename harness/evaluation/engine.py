@@ -308,11 +308,14 @@ def model_check(
         return decode_check.not_run(manifest, "the problem has no decode-stack hooks")
     case = decode_check.check_case(manifest, host.gpu, 1)
     try:
-        accepted: object = path.supports(case)
+        accepted: object = path.supports(case.for_guard())
     except SUBMITTED_CODE_ERRORS as exc:
         accepted = f"raised {exc!r}"
     if accepted is not True:
-        return decode_check.not_run(manifest, f"the guard refuses {case.id} ({accepted!r})")
+        why = f"the guard refuses {case.id} ({accepted!r})"
+        if decode_check.in_scope(manifest, case):  # refusing it would skip the check unpunished
+            return decode_check.failed(manifest, case.id, f"{why}, an in-scope case")
+        return decode_check.not_run(manifest, why)
     settings = decode_check.effective_settings(manifest.model_check, quick)
     seed = derive_seed(secret_seed, "model check")
     return decode_check.run_decode_check(path, case, settings, seed, device)
@@ -343,7 +346,7 @@ def run_case(
     device: torch.device,
 ) -> CaseEvidence:
     try:
-        accepted = path.supports(case)
+        accepted = path.supports(case.for_guard())
     except SUBMITTED_CODE_ERRORS as exc:
         return _case_evidence(case, Crashed(f"supports({case.id}) raised {exc!r}"))
     if accepted is not True:

@@ -15,7 +15,7 @@ from harness.evaluation.plan import derive_seed, probe_runs_on_one_process
 
 def check_probe(path: LoadedPath, probe: Case, secret_seed: int, device: torch.device) -> Outcome:
     try:
-        accepted = path.supports(probe)
+        accepted = path.supports(probe.for_guard())
     except SUBMITTED_CODE_ERRORS as exc:
         return Crashed(f"supports({probe.id}) raised {exc!r}")
     if accepted is not False:

@@ -246,6 +246,24 @@ def test_guard_accepting_everything_fails_every_probe() -> None:
     )
 
 
+def test_the_guard_never_sees_a_cases_origin() -> None:
+    """A guard that could tell the probes and the decode check from real cases would refuse
+    them and accept anything else; shown no origin, it accepts the probes and fails them."""
+    evidence = run("honest_forward", supports="origin_sniffing_supports")
+    assert evidence.verdict == "FAIL"
+    assert {p.origin for p in evidence.probes} == PROBE_ORIGINS
+    assert all(p.status == "failed" for p in evidence.probes)
+    assert evidence.decode_check is not None and evidence.decode_check.status == "passed"
+
+
+def test_a_guard_that_refuses_the_decode_checks_in_scope_case_fails() -> None:
+    evidence = run("honest_forward", supports="refuses_batch_4_supports")
+    assert evidence.decode_check is not None and evidence.decode_check.status == "failed"
+    assert "the guard refuses" in evidence.decode_check.reasons[0]
+    assert "an in-scope case" in evidence.decode_check.reasons[0]
+    assert evidence.verdict == "FAIL"
+
+
 # A candidate that rebinds a dict entry instead of writing the tensor in place must not escape:
 # the engine hands each call its own dicts and reads back the tensors it allocated.
 def test_rebinding_outputs_is_never_written() -> None:

@@ -92,6 +92,9 @@ def check_case(
             seed, result = _trial(path, case, secret_seed, trial, tolerance, device, all_settled)
         except CandidateCrash as crash:
             return CorrectnessResult(Crashed(crash.error), results)
+        except SUBMITTED_CODE_ERRORS as exc:  # the problem, the stock or the reference path
+            error = f"building or checking the trial raised {_describe_exception(exc)}"
+            return CorrectnessResult(Crashed(error), results)
         results.append(result)
         passed = not result.reasons
         everyone_passed = all_passed(passed) if all_passed else passed  # once per trial
@@ -177,6 +180,11 @@ def run_trial(
         )
         result.outputs.append(error)
         result.reasons += _within_tolerance(error, tolerance)
+    if not any(reference[name].numel() for name in reference):
+        # nothing compared is no evidence of correctness (a problem that declares no outputs)
+        result.reasons.append(
+            f"nothing was checked: the problem declares {len(reference)} outputs with no element"
+        )
     return result
 
 

@@ -43,11 +43,14 @@ def _falls_back_to_stock(path: LoadedPath, probe: Case, seed: int, device: torch
             else Crashed(f"building probe inputs raised {exc!r}")
         )
     stock = poisoned(problem.make_outputs(probe, device), float("nan"))
-    path.baseline(
-        {k: v.clone() for k, v in weights.items()},
-        {k: v.clone() for k, v in inputs.items()},
-        dict(stock),
-    )
+    try:
+        path.baseline(
+            {k: v.clone() for k, v in weights.items()},
+            {k: v.clone() for k, v in inputs.items()},
+            dict(stock),
+        )
+    except SUBMITTED_CODE_ERRORS as exc:
+        return Crashed(f"the stock path raised on {probe.origin}: {exc!r}")
     dispatched = poisoned(problem.make_outputs(probe, device), float("nan"))
     try:
         path.candidate(

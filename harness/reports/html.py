@@ -231,7 +231,7 @@ def _claim_line(claim: dict[str, object]) -> RefLine:
 def _errors(checked: dict[str, list[CaseEvidence]]) -> str:
     series = []
     for color, (label, cases) in enumerate(checked.items()):
-        worst = [(c.batch, *_worst_errors(c)) for c in cases]
+        worst = [(c.batch, *_worst_errors(c)) for c in cases if _has_outputs(c)]
         series += [
             Series(
                 _named("stock", label), [(b, s) for b, _, s in worst], None, 2 * color + 1, True
@@ -246,6 +246,11 @@ def _errors(checked: dict[str, list[CaseEvidence]]) -> str:
         log10_y=True,
     )
     return line_chart(chart)
+
+
+def _has_outputs(case: CaseEvidence) -> bool:
+    # a case whose problem declared no outputs (failed for it) has no error to plot
+    return case.correctness is not None and any(t.outputs for t in case.correctness.trials)
 
 
 def _worst_errors(case: CaseEvidence) -> tuple[float, float]:

@@ -14,6 +14,7 @@ import pytest
 from harness.evaluation.engine import EngineOptions, evaluate
 from harness.evaluation.evidence import CaseEvidence, Evidence
 from harness.evaluation.timing import StopRule
+from harness.reports.html import render_report_page
 from scopes.manifest import ScopeManifest, validate_manifest
 from tests.fixtures import bad_paths
 
@@ -262,6 +263,33 @@ def test_a_guard_that_refuses_the_decode_checks_in_scope_case_fails() -> None:
     assert "the guard refuses" in evidence.decode_check.reasons[0]
     assert "an in-scope case" in evidence.decode_check.reasons[0]
     assert evidence.verdict == "FAIL"
+
+
+def _with_problem(problem: str, candidate: str, baseline: str | None = None) -> Evidence:
+    manifest = make_manifest(candidate)
+    data = manifest.model_dump()
+    data["path"]["problem"] = f"{FIXTURES}:{problem}"
+    if baseline is not None:
+        data["path"]["baseline"] = f"{FIXTURES}:{baseline}"
+    options = EngineOptions(device="cpu", quick=True, seed=SEED, trials=2, stop=FAST_STOP)
+    return evaluate(validate_manifest(data), options)
+
+
+def test_a_problem_with_nothing_to_compare_fails_every_case() -> None:
+    evidence = _with_problem("NoOutputsProblem", "does_nothing_forward", "does_nothing_forward")
+    assert evidence.verdict == "FAIL"
+    assert evidence.cases and all(c.status == "failed" for c in evidence.cases)
+    assert "nothing was checked" in evidence.cases[0].reasons[0]
+    assert "nothing was checked" in render_report_page(evidence)  # the report renders it
+
+
+def test_a_problem_that_raises_crashes_its_case_not_the_run() -> None:
+    evidence = _with_problem("InputsRaiseProblem", "honest_forward")
+    assert evidence.verdict == "FAIL"
+    crashed = [c for c in evidence.cases if c.status == "crashed"]
+    assert [c.batch for c in crashed] == [8]
+    assert "KeyError" in crashed[0].reasons[0]
+    assert all(c.status == "passed" for c in evidence.cases if c.batch != 8)
 
 
 # A candidate that rebinds a dict entry instead of writing the tensor in place must not escape:

@@ -2,13 +2,21 @@
 and checks after the submitted code is imported (and after every case) that none was replaced.
 
 A candidate that swaps `time.perf_counter`, `torch.cuda.Event.elapsed_time`, a graph's replay or
-one of the engine's own functions would otherwise decide its own timings or verdict.
+one of the engine's own functions would otherwise decide its own timings or verdict. Watched:
+the stdlib and torch names below, and everything the evaluation modules define: their
+functions and classes, the methods of those classes, and their UPPER_CASE constants (a
+verdict threshold such as REVIEW_SPEEDUP_ABOVE), private ones included.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import sys
 from dataclasses import dataclass
+
+# The packages whose own definitions a submission must not replace.
+HARNESS_PACKAGES = ("harness.evaluation", "scopes")
 
 # (module, dotted attribute) pairs whose identity must not change during an evaluation.
 WATCHED = (
@@ -60,12 +68,37 @@ class Snapshot:
 
     @classmethod
     def take(cls) -> Snapshot:
-        return cls({f"{m}.{a}": _resolve(m, a) for m, a in WATCHED})
+        objects = {f"{m}.{a}": _resolve(m, a) for m, a in WATCHED}
+        for name, module in list(sys.modules.items()):
+            if module is not None and _is_harness(name):
+                objects.update(_definitions(name, module))
+        return cls(objects)
 
     def replaced(self) -> list[str]:
         """Names whose object is no longer the one the snapshot saw."""
-        now = Snapshot.take().objects
-        return [name for name, obj in self.objects.items() if now.get(name) is not obj]
+        return [name for name, obj in self.objects.items() if _current(name) is not obj]
+
+
+def _is_harness(module_name: str) -> bool:
+    return any(module_name == p or module_name.startswith(p + ".") for p in HARNESS_PACKAGES)
+
+
+def _definitions(module_name: str, module: object) -> dict[str, object]:
+    """What a harness module defines: its functions and classes (and their methods), and its
+    UPPER_CASE constants; not what it imported, and not its mutable state (lower_case)."""
+    found: dict[str, object] = {}
+    for name, value in vars(module).items():
+        defined_here = getattr(value, "__module__", None) == module_name
+        if inspect.isfunction(value) and defined_here:
+            found[f"{module_name}.{name}"] = value
+        elif inspect.isclass(value) and defined_here:
+            found[f"{module_name}.{name}"] = value
+            for attribute, member in vars(value).items():
+                if not attribute.startswith("__") and inspect.isfunction(member):
+                    found[f"{module_name}.{name}.{attribute}"] = member
+        elif name.lstrip("_").isupper() and not inspect.ismodule(value):
+            found[f"{module_name}.{name}"] = value
+    return found
 
 
 def _resolve(module: str, attribute: str) -> object:
@@ -73,3 +106,19 @@ def _resolve(module: str, attribute: str) -> object:
     for part in attribute.split("."):
         target = getattr(target, part, None)
     return target
+
+
+def _current(name: str) -> object:
+    """The object `name` (module.attribute[.attribute]) names now, by the longest module
+    prefix that is loaded."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:split]))
+        if module is not None:
+            target: object = module
+            for part in parts[split:]:
+                target = getattr(target, part, None)
+                if target is None:
+                    return None
+            return target
+    return None

@@ -46,6 +46,7 @@ from harness.evaluation.distributed import (
     slowest_rank_us,
 )
 from harness.evaluation.evidence import PerformanceEvidence
+from harness.evaluation.integrity import Snapshot
 from harness.evaluation.loading import LoadedPath, PathFn, load_path, use_triton_interpreter
 from harness.evaluation.outcomes import Crashed, Mismatch, Outcome, Passed, TimedOut
 from harness.evaluation.plan import derive_seed
@@ -224,7 +225,9 @@ def _rank_main(rank: int, world_size: int, task: RankTask) -> RankResult:
     manifest = ScopeManifest.model_validate_json(task.manifest_json)
     case = Case(**{**task.case, "config": MappingProxyType(task.case["config"])})
     group, cp_rank = _join_cp_group(rank, world_size, case.cp)
+    snapshot = Snapshot.take()  # before the submitted code is imported on this rank
     path = load_path(manifest)
+    _check_untampered(snapshot, rank, "importing the path")
     seed = derive_seed(task.secret_seed, "replica", rank // case.cp)
     sharing = _sharing_path(path, case, cp_rank, group)
     agreed: list[bool] = []  # per trial: whether every rank passed it
@@ -243,6 +246,7 @@ def _rank_main(rank: int, world_size: int, task: RankTask) -> RankResult:
         all_passed,
         all_settled=lambda settled: _all_ranks(settled, device),
     )
+    _check_untampered(snapshot, rank, "checking correctness")
     if isinstance(checked.outcome, Crashed):
         raise RankFailed(checked.outcome.error)  # the parent stops every rank at once
     if not isinstance(checked.outcome, Passed) or not all(agreed):
@@ -258,7 +262,16 @@ def _rank_main(rank: int, world_size: int, task: RankTask) -> RankResult:
         stale += still_correct_after_timing(sharing, case, seed, manifest, device)
     except correctness_mod.CandidateCrash as crash:
         raise RankFailed(crash.error) from None
+    _check_untampered(snapshot, rank, "timing")
     return RankResult(checked, performance, timing, stale)
+
+
+def _check_untampered(snapshot: Snapshot, rank: int, when: str) -> None:
+    """On a rank as in the engine's own process: a replaced harness function or threshold ends
+    the case (the parent stops every rank), with what was replaced as its reason."""
+    replaced = snapshot.replaced()
+    if replaced:
+        raise RankFailed(f"tampering: {', '.join(replaced)} replaced on rank {rank} while {when}")
 
 
 class RankFailed(RuntimeError):

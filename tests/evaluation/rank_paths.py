@@ -74,3 +74,13 @@ class OverCapOnRankZeroOnce(Problem):
             batch = inputs["x"].shape[0]
             return {"out": torch.ones(batch, dtype=torch.bool, device=inputs["x"].device)}
         return super().ambiguous_rows(weights, inputs)
+
+
+def tampers_on_ranks(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
+    """Replaces a watched harness function, only where it runs on ranks, and writes zeros."""
+    from harness.evaluation import correctness
+
+    if dist.is_initialized():
+        correctness.output_error = lambda *args, **kwargs: None  # type: ignore[assignment]
+    for tensor in out.values():
+        tensor.zero_()

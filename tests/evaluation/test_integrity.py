@@ -45,6 +45,7 @@ def restore_originals() -> Iterator[None]:
         ("fast_clock_forward", "time.perf_counter"),
         ("event_timer_forward", "torch.cuda.Event.elapsed_time"),
         ("verdict_forward", "harness.evaluation.verdict.decide"),
+        ("private_check_forward", "harness.evaluation.correctness._within_tolerance"),
     ],
 )
 def test_replacing_what_the_harness_uses_is_a_fail(candidate: str, replaced: str) -> None:

@@ -85,6 +85,14 @@ def test_a_rank_that_raises_fails_the_case_with_its_error() -> None:
     assert "rank 1" in ran.outcome.error and "deliberate failure on rank 1" in ran.outcome.error
 
 
+def test_replacing_a_harness_function_on_the_ranks_fails_the_case() -> None:
+    """The ranks are processes of their own: each checks, as the engine does, that the
+    submitted code replaced nothing the harness judges with."""
+    ran = _run("tests.evaluation.rank_paths:tampers_on_ranks")
+    assert ran.outcome.status == "crashed"
+    assert "tampering: harness.evaluation.correctness.output_error replaced" in ran.outcome.error
+
+
 def test_a_rank_that_hangs_times_the_case_out_and_ends_every_rank() -> None:
     ran = _run("tests.evaluation.rank_paths:hangs_on_rank_zero", timeout_s=20.0)
     assert ran.outcome.status == "timed_out"

@@ -38,7 +38,8 @@ def _validate(tmp_path: Path, scope: Path, *extra: str) -> tuple[int, str, dict]
 
 
 def test_pass_exits_0_with_evidence_and_report(tmp_path: Path) -> None:
-    code, output, evidence = _validate(tmp_path, _small_scope(tmp_path, []))
+    scope = _small_scope(tmp_path, [])
+    code, output, evidence = _validate(tmp_path, scope)
     assert code == 0, output
     assert output.strip().splitlines()[-1] == "PASS"
     assert evidence["schema_version"] == SCHEMA_VERSION
@@ -58,7 +59,8 @@ def test_pass_exits_0_with_evidence_and_report(tmp_path: Path) -> None:
     assert evidence["run"]["command"] in report
     assert "--seed" in evidence["run"]["command"]
     # the tree that ran, pinned even where the git SHA is "-dirty" or stale
-    assert evidence["run"]["code_digest"] == code_digest(REPO_ROOT)
+    modules = [spec.split(":")[0] for spec in yaml.safe_load(scope.read_text())["path"].values()]
+    assert evidence["run"]["code_digest"] == code_digest(REPO_ROOT, modules)
     assert f"| code digest | {evidence['run']['code_digest']} |" in report
 
 
@@ -278,3 +280,20 @@ def test_resume_requires_the_same_engine_options(tmp_path: Path) -> None:
     other = EngineOptions(device="cpu", quick=True, seed=5, trials=2, stop=stop, resume=saved)
     with pytest.raises(checkpoint.ResumeRefused, match="trials: 1 then, 2 now"):
         evaluate(manifest, other)
+
+
+def test_the_code_digest_covers_entry_points_outside_the_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A candidate on PYTHONPATH, outside the repository: changing it between an interrupted run
+    and its --resume must change the digest, and finding it must import nothing."""
+    package = tmp_path / "elsewhere"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (package / "candidate.py").write_text("def forward(w, i, o):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = code_digest(REPO_ROOT, ["elsewhere.candidate"])
+    assert before != code_digest(REPO_ROOT)
+    (package / "candidate.py").write_text("def forward(w, i, o):\n    o.clear()\n")
+    assert code_digest(REPO_ROOT, ["elsewhere.candidate"]) != before
+    assert code_digest(REPO_ROOT, ["no.such.module"]) == code_digest(REPO_ROOT)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +94,7 @@ def mismatches(checkpoint: Checkpoint, current: Checkpoint) -> list[str]:
     if checkpoint.manifest != current.manifest:
         problems.append("the scope manifest changed")
     if checkpoint.code_digest != current.code_digest:
-        problems.append("the code changed (a Python file under the repository)")
+        problems.append("the code changed (a Python file under the repository or of the path)")
     keys = (checkpoint.environment.keys() | current.environment.keys()) - VOLATILE_ENVIRONMENT
     for key in sorted(keys):
         then, now = checkpoint.environment.get(key), current.environment.get(key)
@@ -101,14 +103,32 @@ def mismatches(checkpoint: Checkpoint, current: Checkpoint) -> list[str]:
     return problems
 
 
-def code_digest(root: Path) -> str:
+def code_digest(root: Path, entry_modules: Sequence[str] = ()) -> str:
     """sha256 over the path and bytes of every .py file under `root`, outside hidden folders,
-    virtual environments and test suites. The git revision alone would not do: it says nothing about
-    uncommitted edits, and a copied tree (a GPU worker's) may have no .git at all."""
+    virtual environments and test suites, and of the files of `entry_modules` (the path's entry
+    points, which may live elsewhere on sys.path or in a test suite). The git revision alone
+    would not do: it says nothing about uncommitted edits, and a copied tree (a GPU worker's)
+    may have no .git at all."""
     digest = hashlib.sha256()
     for path in sorted(_python_files(root)):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for module in sorted(set(entry_modules)):
+        source = module_file(module)
+        if source is not None:
+            digest.update(module.encode() + b"\0" + source.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
+
+
+def module_file(module: str) -> Path | None:
+    """The source file `import module` would load, found on sys.path without importing anything
+    (a package's __init__ may be submitted code, not to run before the harness is ready)."""
+    parts = module.split(".")
+    for entry in sys.path:
+        base = Path(entry or ".").joinpath(*parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
 
 
 def _python_files(root: Path) -> list[Path]:

@@ -108,7 +108,9 @@ def evaluate(
     manifest: ScopeManifest, options: EngineOptions, progress: ProgressFn | None = None
 ) -> Evidence:
     started_at = _now()
-    code_digest = checkpoints.code_digest(REPO_ROOT)  # the code as loaded, before any case runs
+    # the code as loaded, before any case runs: the repository and the path's own modules
+    entry_modules = [spec.split(":")[0] for spec in manifest.path.model_dump().values()]
+    code_digest = checkpoints.code_digest(REPO_ROOT, entry_modules)
     host = detect_host(options.device)
     secret_seed = options.seed if options.seed is not None else secrets.randbits(63)
     plan = make_plan(manifest, host, secret_seed, options.quick, options.gpus)

@@ -52,11 +52,16 @@ def main() -> int:
         print(f"workers.child: unreadable request on stdin: {exc!r}", file=sys.stderr)
         return 2
     die_with_parent(int(envelope.get("parent_pid", 0)))
+    loopback_up()  # before hide_files: in the user namespace it enters, lo is not ours to set
+    hidden = hide_files(envelope.get("hidden", []), envelope.get("worker_mount_namespace", ""))
     del envelope
     # pass_fds made the result pipe inheritable; programs a candidate starts must not get it.
     os.set_inheritable(result_fd, False)
     limit_resources()
-    loopback_up()
+    if hidden is not None:
+        print(f"workers.child: {len(hidden)} service file(s) hidden from the evaluation")
+    else:
+        print("workers.child: no mount namespace of its own; the service's files stay visible")
     try:
         evidence_json = evaluate_request(request)
     except BaseException as exc:  # SystemExit from a candidate too: report it, then exit 1
@@ -81,6 +86,38 @@ def die_with_parent(parent_pid: int) -> None:
     in_own_namespace = os.getpid() == 1
     if parent_pid and not in_own_namespace and os.getppid() != parent_pid:
         os._exit(3)  # the worker died before prctl took effect
+
+
+def hide_files(paths: list[str], worker_namespace: str) -> list[str] | None:
+    """Bind /dev/null over each of the worker's service files (its database, broker, .env, keys),
+    then enter a user and mount namespace of our own, in which those mounts are locked: the
+    submitted code can neither read the files nor unmount what covers them. Only in a mount
+    namespace of our own (the runner's `unshare --mount-proc`): in the worker's, a mount would
+    cover the files for the whole host. Returns the paths hidden, or None without a mount
+    namespace of our own."""
+    if sys.platform != "linux" or not worker_namespace:
+        return None
+    try:
+        if os.readlink("/proc/self/ns/mnt") == worker_namespace:
+            return None
+    except OSError:
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_bind, clone_newuser, clone_newns = 0x1000, 0x10000000, 0x00020000
+    hidden = []
+    for path in paths:
+        if (
+            os.path.isfile(path)
+            and libc.mount(b"/dev/null", path.encode(), None, ms_bind, None) == 0
+        ):
+            hidden.append(path)
+    # A mount made in this namespace could be unmounted by whoever holds CAP_SYS_ADMIN here (a
+    # mapped root); in a namespace owned by a new user namespace, inherited mounts are locked.
+    if libc.unshare(clone_newuser | clone_newns) != 0:
+        print("workers.child: the service files are covered, not locked (no user namespace)")
+    return hidden
 
 
 def loopback_up() -> None:

@@ -33,6 +33,7 @@ from typing import IO, Any
 from pydantic import ValidationError
 
 import harness
+from harness.config import Settings, get_settings
 from harness.evaluation.evidence import Evidence
 from workers.child import message_mac
 
@@ -126,6 +127,35 @@ def isolation() -> Isolation:
     return Isolation((), network=False, processes=False)
 
 
+def service_files(settings: Settings) -> list[Path]:
+    """The worker's files that a child must not read or write: the SQLite database and broker
+    (with their journals), the .env file, the GitHub App key. The child hides them in its own
+    mount namespace (workers.child.hide_files); they exist only on the embedded defaults or
+    where a deployment keeps them beside the worker."""
+    found = [Path(".env")]
+    for url in (settings.database_url, settings.broker_url):
+        database = _sqlite_file(url)
+        if database is not None:
+            found += [Path(f"{database}{suffix}") for suffix in ("", "-wal", "-shm", "-journal")]
+    if settings.github_private_key_path is not None:
+        found.append(settings.github_private_key_path)
+    return [path.resolve() for path in found if path.is_file()]
+
+
+def _sqlite_file(url: str) -> str | None:
+    for prefix in ("sqlite:///", "sqla+sqlite:///"):
+        if url.startswith(prefix):
+            return url[len(prefix) :].split("?", 1)[0] or None
+    return None
+
+
+def _mount_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return ""
+
+
 def child_environment(workdir: Path) -> dict[str, str]:
     """The child's whole environment: an allow-list, never a copy of the worker's."""
     env = {name: os.environ[name] for name in PASSED_THROUGH if name in os.environ}
@@ -194,6 +224,8 @@ def _send_request(
         "result_fd": result_fd,
         "key": key.hex(),
         "parent_pid": os.getpid(),
+        "hidden": [str(path) for path in service_files(get_settings())],
+        "worker_mount_namespace": _mount_namespace(),
         "request": _request_json(request),
     }
     assert process.stdin is not None

@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness.config import get_settings
 from tests.fixtures import hostile_paths
 from tests.fixtures.hostile_paths import forged_evidence_json
+from tests.service_fixtures import use_database
 from workers.child import message_mac
 from workers.runner import (
     ChildCrashed,
@@ -33,6 +35,7 @@ from workers.runner import (
     authenticated_message,
     isolation,
     run_in_child,
+    service_files,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -227,6 +230,33 @@ def test_child_cannot_read_other_processes_environments(tmp_path: Path) -> None:
     assert not [env for env in seen["environments"] if secret in env]
     # the child's own namespace: itself and what it started
     assert len(seen["visible"]) <= 3, seen["visible"]
+
+
+def test_child_cannot_read_or_uncover_the_services_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's SQLite database and its .env: a submission that read them would see every
+    token hash and secret, and could write itself a maintainer's token."""
+    if not isolation().processes:
+        pytest.skip("this OS does not allow a mount namespace of the child's own (unshare)")
+    service = tmp_path / "service"
+    service.mkdir()
+    secret = f"secret-{os.urandom(8).hex()}"
+    database, dotenv = service / "pathgate.db", service / ".env"
+    database.write_text(f"database holding {secret}")
+    dotenv.write_text(f"PATHGATE_GITHUB_TOKEN={secret}")
+    monkeypatch.chdir(service)  # where `pathgate serve` keeps the embedded defaults
+    use_database(monkeypatch, "sqlite:///pathgate.db")
+    assert [str(p) for p in service_files(get_settings())] == [str(dotenv), str(database)]
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / hostile_paths.TARGETS_FILE).write_text(json.dumps([str(database), str(dotenv)]))
+    outcome = run(hostile("reads_service_files_forward"), workdir)
+    assert isinstance(outcome, Finished), outcome
+    seen = json.loads((workdir / hostile_paths.SEEN_FILES_FILE).read_text())
+    assert set(seen) == {str(database), str(dotenv)}
+    assert not [text for text in seen.values() if secret in text], seen
+    assert database.read_text() == f"database holding {secret}"  # the worker's view is intact
 
 
 def test_child_runs_under_resource_limits(tmp_path: Path) -> None:

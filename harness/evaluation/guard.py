@@ -43,23 +43,20 @@ def _falls_back_to_stock(path: LoadedPath, probe: Case, seed: int, device: torch
             else Crashed(f"building probe inputs raised {exc!r}")
         )
     stock = poisoned(problem.make_outputs(probe, device), float("nan"))
-    try:
-        path.baseline(
-            {k: v.clone() for k, v in weights.items()},
-            {k: v.clone() for k, v in inputs.items()},
-            dict(stock),
-        )
-    except SUBMITTED_CODE_ERRORS as exc:
-        return Crashed(f"the stock path raised on {probe.origin}: {exc!r}")
     dispatched = poisoned(problem.make_outputs(probe, device), float("nan"))
-    try:
-        path.candidate(
-            {k: v.clone() for k, v in weights.items()},
-            {k: v.clone() for k, v in inputs.items()},
-            dict(dispatched),
-        )
-    except SUBMITTED_CODE_ERRORS as exc:
-        return Crashed(f"the dispatching entry raised on {probe.origin}: {exc!r}")
+    calls = (
+        ("the stock path", path.baseline, stock),
+        ("the dispatching entry", path.candidate, dispatched),
+    )
+    for who, entry, outputs in calls:
+        try:
+            entry(
+                {k: v.clone() for k, v in weights.items()},
+                {k: v.clone() for k, v in inputs.items()},
+                dict(outputs),
+            )
+        except SUBMITTED_CODE_ERRORS as exc:
+            return Crashed(f"{who} raised on {probe.origin}: {exc!r}")
     differing = [
         name
         for name in stock

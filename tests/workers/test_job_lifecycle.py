@@ -20,25 +20,14 @@ from harness.store.db import session_scope
 from harness.store.models import CaseResult, Job, Report, utcnow
 from harness.submissions import Source, install_enqueue_hook, submit
 from tests.service_fixtures import database_url  # noqa: F401  (fixture)
+from tests.workers.test_queues import _scope
 from workers import tasks
 from workers.celery_app import task_time_limit_s
 from workers.runner import Finished
 from workers.workspace import REPO_ROOT, SourceError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-SCOPE = {
-    "name": "lifecycle-rmsnorm",
-    "summary": "the stock add+RMSNorm as its own candidate",
-    "path": {
-        "problem": "kernels.fused_add_rmsnorm.problem:Problem",
-        "baseline": "kernels.fused_add_rmsnorm.stock:forward",
-        "candidate": "kernels.fused_add_rmsnorm.stock:forward",
-        "supports": "tests.fixtures.bad_paths:honest_supports",
-    },
-    "model": {"id": "test/rmsnorm", "dtype": "bfloat16", "config": {"hidden": 256}},
-    "hardware": {"gpu": ["cpu"], "gpus": [1]},
-    "workload": {"phase": "decode", "batch": {"min": 1, "max": 8}},
-}
+SCOPE = _scope(["cpu"], [1])  # the stock add+RMSNorm as its own candidate, a cpu job
 
 
 def _new_job(enqueue: object = None) -> int:

@@ -224,6 +224,10 @@ class ManifestError(Exception):
         self.problems = problems
 
 
+# Nodes a manifest may expand to, aliases followed: the shipped ones have a few hundred.
+MAX_NODES = 100_000
+
+
 def load_manifest(text: str) -> ScopeManifest:
     """Parse and validate manifest YAML (JSON is YAML too); raise ManifestError on any problem."""
     try:
@@ -252,32 +256,38 @@ def _parse(text: str) -> tuple[yaml.Node | None, Any]:
 
 def _check_nodes(root: yaml.Node) -> None:
     """What YAML allows and a manifest must not have: a key given twice (the last would win
-    silently: a reviewer would read claims that are never judged) and aliases (`*name`), which
-    can make a small file expand into gigabytes. Each problem with its line."""
+    silently: a reviewer would read claims that are never judged), and aliases that expand the
+    document past MAX_NODES (a small file of nested `*name`s can stand for gigabytes; a tool's
+    YAML writer may use aliases for repeated values, which stays allowed). Each with its line."""
     problems = []
-    seen: set[int] = set()
-    stack = [root]
+    checked: set[int] = set()
+    visits, stack = 0, [root]
     while stack:
         node = stack.pop()
-        if id(node) in seen:  # the composer gives an alias the very node of its anchor
-            line = node.start_mark.line + 1
-            problems.append(
-                ManifestProblem("", "an anchor reused by an alias (*name): not allowed", line)
-            )
-            continue
-        seen.add(id(node))
+        visits += 1
+        if visits > MAX_NODES:
+            message = f"expands to over {MAX_NODES} YAML nodes (through aliases, *name)"
+            raise ManifestError([ManifestProblem("", message, node.start_mark.line + 1)])
         if isinstance(node, yaml.MappingNode):
-            keys: set[str] = set()
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.value in keys:
-                    line = key.start_mark.line + 1
-                    problems.append(ManifestProblem(key.value, "given twice", line))
-                keys.add(key.value if isinstance(key, yaml.ScalarNode) else "")
-                stack += [key, value]
+            if id(node) not in checked:
+                problems += _duplicate_keys(node)
+            stack += [item for pair in node.value for item in pair]
         elif isinstance(node, yaml.SequenceNode):
             stack += node.value
+        checked.add(id(node))
     if problems:
-        raise ManifestError(sorted(problems, key=lambda p: p.line or 0))
+        raise ManifestError(problems)
+
+
+def _duplicate_keys(node: yaml.MappingNode) -> list[ManifestProblem]:
+    seen: set[str] = set()
+    problems = []
+    for key, _ in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            if key.value in seen:
+                problems.append(ManifestProblem(key.value, "given twice", key.start_mark.line + 1))
+            seen.add(key.value)
+    return problems
 
 
 def load_manifest_file(path: Path) -> ScopeManifest:

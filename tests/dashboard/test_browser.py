@@ -25,7 +25,7 @@ from harness.store.migrate import upgrade
 from tests.dashboard.seed import Seeded, seed_all
 from tests.service_fixtures import use_database
 
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = Path(shutil.which("chromium") or "/usr/bin/chromium")  # as .ci/run finds it
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "pathgate-out" / "screenshots"
 CHROMIUM_ARGS = [
     "--headless=new",
@@ -40,7 +40,7 @@ CHROMIUM_ARGS = [
 pytestmark = [
     pytest.mark.skipif(
         not CHROMIUM.exists(),
-        reason="needs /usr/bin/chromium (apt-get install -y --no-install-recommends chromium)",
+        reason="needs chromium on PATH (apt-get install -y --no-install-recommends chromium)",
     ),
     pytest.mark.skipif(
         importlib.util.find_spec("playwright") is None,

@@ -111,6 +111,18 @@ def test_sign_out_needs_csrf_and_ends_the_session(client: TestClient, seeded: Se
     assert client.get("/dashboard/submissions", follow_redirects=False).status_code == 303
 
 
+def test_revoking_the_token_ends_its_dashboard_session(client: TestClient, seeded: Seeded) -> None:
+    from harness.store import repositories as repo
+
+    sign_in(client, seeded.tokens["alice"])
+    assert client.get("/dashboard/submissions", follow_redirects=False).status_code == 200
+    with session_scope() as session:
+        token = repo.find_token(session, seeded.tokens["alice"])
+        assert token is not None
+        repo.revoke_token(session, token.id)
+    assert client.get("/dashboard/submissions", follow_redirects=False).status_code == 303
+
+
 def test_contributors_see_only_their_own(client: TestClient, seeded: Seeded) -> None:
     sign_in(client, seeded.tokens["bob"])
     page = client.get("/dashboard/submissions").text

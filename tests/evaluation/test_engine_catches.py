@@ -159,6 +159,12 @@ def test_off_grid_sizes_differ_between_seeds() -> None:
             id="modifies_inputs",
         ),
         pytest.param(
+            "modifies_weight_forward",
+            "modified its weight 'weight'",
+            ["modified its input", BUDGET_REASON],
+            id="modifies_weight",
+        ),
+        pytest.param(
             "nondeterministic_forward",
             "'out': non-deterministic, two runs on the same inputs differ in 2 elements",
             [BUDGET_REASON, "NaN/Inf", "never written"],
@@ -245,6 +251,32 @@ def test_guard_accepting_everything_fails_every_probe() -> None:
         "supports returned True"
         for p in evidence.probes
     )
+
+
+def test_an_entry_that_runs_its_own_code_out_of_scope_fails_the_probes() -> None:
+    """The guard says no, but the entry does not give the stock result there."""
+    evidence = run("own_code_out_of_scope_forward")
+    assert evidence.verdict == "FAIL"
+    assert all(c.status == "passed" for c in evidence.cases)
+    one_process = [p for p in evidence.probes if p.origin != "probe: unlisted CP degree"]
+    assert one_process and all(p.status == "failed" for p in one_process)
+    assert all("does not give the stock result" in p.reasons[0] for p in one_process)
+
+
+def test_a_guard_that_refuses_an_in_scope_case_fails_that_case() -> None:
+    evidence = run("honest_forward", supports="refuses_batch_8_supports")
+    assert evidence.verdict == "FAIL"
+    [refused] = [c for c in evidence.cases if c.batch == 8]
+    assert refused.status == "unsupported"
+    assert refused.reasons == ["the guard refuses this in-scope case (supports returned False)"]
+
+
+def test_a_cosine_below_the_floor_fails_however_loose_the_budget() -> None:
+    evidence = run("slightly_off_forward", error_budget=1000.0, min_cosine=0.99999)
+    assert evidence.verdict == "FAIL"
+    assert all(c.status == "failed" for c in evidence.cases)
+    assert "'out': cosine " in evidence.cases[0].reasons[0]
+    assert "< 0.99999" in evidence.cases[0].reasons[0]
 
 
 def test_the_guard_never_sees_a_cases_origin() -> None:

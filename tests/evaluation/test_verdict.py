@@ -92,6 +92,14 @@ CASES = [
         ({"metric": "speedup", "where": {"batch": [1, 64]}, "at_least": 1.1}, "verified"),
         ({"metric": "latency_us", "where": {"batch": 1}, "at_most": 52}, "verified"),
         ({"metric": "latency_us", "where": {"batch": 1}, "at_most": 48}, "refuted"),
+        ({"metric": "latency_us", "where": {"batch": 1}, "at_most": 50}, "inconclusive"),
+        (
+            {"metric": "latency_us", "where": {"batch": 1}, "at_most": 48, "tolerance": 0.07},
+            "verified",
+        ),
+        # the fraction's interval from the latency's: 0.8 x 50/51 .. 0.8 x 50/49
+        ({"metric": "hbm_fraction", "where": {"batch": 1}, "at_least": 0.79}, "inconclusive"),
+        ({"metric": "hbm_fraction", "where": {"batch": 1}, "at_least": 0.83}, "refuted"),
         ({"metric": "kernels_per_layer", "at_most": 1}, "refuted"),
         ({"metric": "kernels_per_layer", "at_most": 2}, "verified"),
         ({"metric": "hbm_fraction", "where": {"batch": 1}, "at_least": 0.7}, "verified"),
@@ -142,6 +150,7 @@ PROBE_BAD = ProbeEvidence(id="p", origin="probe: x", status="failed", reasons=["
         ([*CASES, _case(2, None, "failed")], [PROBE_OK], [_claim("inconclusive")], "FAIL"),
         ([*CASES, _case(2, None, "unsupported")], [PROBE_OK], [], "FAIL"),
         ([*CASES, _case(2, None, "crashed")], [PROBE_OK], [], "FAIL"),
+        ([*CASES, _case(2, None, "timed_out")], [PROBE_OK], [], "FAIL"),
         ([], [], [_claim("not_measurable")], "INCONCLUSIVE"),
     ],
 )
@@ -219,3 +228,12 @@ def test_a_run_that_left_part_of_its_scope_out_is_no_pass() -> None:
     # a failure still decides
     failed = [*CASES, _case(2, None, "failed")]
     assert decide(failed, [PROBE_OK], [], left_out, None, None, left_out)[0] == "FAIL"
+
+
+def test_the_hbm_fraction_is_floor_time_over_measured_time() -> None:
+    from harness.evaluation.engine import hbm_fraction
+
+    # 4 kB at 4 GB/s is 1 µs: measured in 1 µs, the whole bandwidth; in 4 µs, a quarter
+    assert hbm_fraction(4_000, 1.0, 4e9) == pytest.approx(1.0)
+    assert hbm_fraction(4_000, 4.0, 4e9) == pytest.approx(0.25)
+    assert hbm_fraction(None, 1.0, 4e9) is None and hbm_fraction(4_000, 1.0, None) is None

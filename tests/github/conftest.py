@@ -27,6 +27,7 @@ from harness.github.webhooks import signature
 from harness.store.db import engine_for
 from harness.store.migrate import upgrade
 from tests.github.fake_github import FakeGitHub, start_fake
+from tests.service_fixtures import POSTGRES_URL, reset_postgres
 
 SECRET = "webhook-secret-for-tests"
 REPO = "acme/kernels"
@@ -64,9 +65,16 @@ def set_env(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
     get_settings.cache_clear()
 
 
-@pytest.fixture
-def sqlite_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    url = f"sqlite:///{tmp_path / 'pathgate.db'}"
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    """The GitHub flows' store, on SQLite and on the real PostgreSQL."""
+    if request.param == "postgresql":
+        reset_postgres()
+        url = POSTGRES_URL
+    else:
+        url = f"sqlite:///{tmp_path / 'pathgate.db'}"
     set_env(
         monkeypatch,
         database_url=url,
@@ -89,7 +97,7 @@ def tasks(monkeypatch: pytest.MonkeyPatch) -> TaskRecorder:
 
 
 @pytest.fixture
-def client(sqlite_store: str, tasks: TaskRecorder) -> Iterator[TestClient]:
+def client(store: str, tasks: TaskRecorder) -> Iterator[TestClient]:
     with TestClient(create_app(enqueue=JobRecorder())) as test_client:
         yield test_client
 

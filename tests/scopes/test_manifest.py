@@ -58,6 +58,12 @@ def test_shipped_manifests_are_valid(path: Path) -> None:
         ("claims", [{"metric": "speedup"}], "claims.0", "exactly one of at_least / at_most"),
         (
             "claims",
+            [{"metric": "speedup", "at_least": 1, "at_most": 2}],
+            "claims.0",
+            "exactly one of at_least / at_most",
+        ),
+        (
+            "claims",
             [{"metric": "speedup", "at_least": 1, "where": {"seq": 1}}],
             "claims.0.where",
             "unknown case key 'seq'",
@@ -77,6 +83,11 @@ def test_each_bad_field_gets_its_message(
 ) -> None:
     problems = _problems(_mutated(change, value))
     assert any(words in p and (field == "" or f"{field}:" in p) for p in problems), problems
+
+
+def test_a_range_of_one_value_is_valid() -> None:
+    manifest = load_manifest(_mutated("workload.batch", {"min": 8, "max": 8}))
+    assert (manifest.workload.batch.min, manifest.workload.batch.max) == (8, 8)
 
 
 def test_extra_keys_are_refused_with_their_line() -> None:

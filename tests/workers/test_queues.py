@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -104,15 +105,14 @@ def test_the_sweeper_never_undoes_a_workers_claim(monkeypatch: pytest.MonkeyPatc
             claimed.set()
             release.wait(10)
 
-    worker = threading.Thread(target=claim)
-    worker.start()
-    assert claimed.wait(10)
-    sweeper = threading.Thread(target=sweep_jobs)
-    sweeper.start()
-    time.sleep(1)  # the sweeper now waits on the claimed row
-    release.set()
-    worker.join(10)
-    sweeper.join(10)
+    with ThreadPoolExecutor(2) as pool:
+        worker = pool.submit(claim)
+        assert claimed.wait(10)
+        sweeper = pool.submit(sweep_jobs)
+        time.sleep(1)  # the sweeper now waits on the claimed row
+        release.set()
+        worker.result(10)
+        sweeper.result(10)  # an error in the sweeper (not just a warning) fails the test
     with session_scope() as session:
         job = repo.lock_job(session, job_id)
         assert job is not None and (job.state, job.attempts) == ("running", 1)

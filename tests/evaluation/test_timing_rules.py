@@ -1,0 +1,64 @@
+"""The timing rules that need no GPU: the A/B order of the pairs, the capture spread that widens
+the interval, and the thresholds of the cross-checks against the events."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from harness.evaluation.timing import (
+    LAUNCH_ALLOWANCE_US,
+    SPAN_RATIO_LIMIT,
+    WALL_RATIO_LIMIT,
+    Timing,
+    cross_check_flags,
+    speedup_interval,
+    timed_pairs,
+)
+
+CPU = torch.device("cpu")
+
+
+def _sleeps(seconds: float, log: list[str], name: str):  # type: ignore[no-untyped-def]
+    def call() -> None:
+        log.append(name)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:  # spin: sleep's wake-up is too coarse
+            pass
+
+    return call
+
+
+def test_pairs_alternate_and_each_side_keeps_its_own_arm() -> None:
+    """A B, B A, A B, ...: whichever ran first, a pair is (a's time, b's time)."""
+    order: list[str] = []
+    pairs = timed_pairs(_sleeps(0.004, order, "a"), _sleeps(0.001, order, "b"), 4, CPU)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert len(pairs) == 4
+    assert all(a_us > b_us > 900 for a_us, b_us in pairs), pairs  # a spins 4 ms, b 1 ms
+
+
+def test_the_capture_spread_widens_the_interval() -> None:
+    one = Timing("cuda-graph", 1, 0, [10.0] * 8, [5.0] * 8, [0] * 8)
+    point, (low, high), spread = speedup_interval(one, seed=1)
+    assert (point, spread) == (2.0, 0.0) and low == high == 2.0
+    # two captures whose candidate medians differ by 10% of the overall median
+    two = Timing("cuda-graph", 1, 0, [10.0] * 8, [4.75] * 4 + [5.25] * 4, [0] * 4 + [1] * 4)
+    point, (low, high), spread = speedup_interval(two, seed=1)
+    assert spread == pytest.approx(0.1)
+    assert low <= point * (1 - spread) + 1e-9 and high >= point * (1 + spread) - 1e-9
+
+
+def test_cross_checks_flag_only_past_their_limits() -> None:
+    event, layers = 10.0, 8
+    assert cross_check_flags(event, event, event, layers) == []
+    span_limit = SPAN_RATIO_LIMIT * event + 1.0
+    assert cross_check_flags(event, event, span_limit, layers) == []
+    [span_flag] = cross_check_flags(event, event, span_limit + 0.1, layers)
+    assert "profiled kernels spanned" in span_flag
+    wall_limit = WALL_RATIO_LIMIT * event + LAUNCH_ALLOWANCE_US / layers
+    assert cross_check_flags(event, wall_limit, event, layers) == []
+    [wall_flag] = cross_check_flags(event, wall_limit + 0.1, event, layers)
+    assert "the wall clock" in wall_flag and "patched timer" in wall_flag

@@ -24,10 +24,8 @@ from harness.api.app import create_app
 from harness.config import get_settings
 from harness.github import hooks
 from harness.github.webhooks import signature
-from harness.store.db import engine_for
-from harness.store.migrate import upgrade
 from tests.github.fake_github import FakeGitHub, start_fake
-from tests.service_fixtures import POSTGRES_URL, reset_postgres
+from tests.service_fixtures import database_url  # noqa: F401  (fixture)
 
 SECRET = "webhook-secret-for-tests"
 REPO = "acme/kernels"
@@ -65,28 +63,17 @@ def set_env(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
     get_settings.cache_clear()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[str]:
-    """The GitHub flows' store, on SQLite and on the real PostgreSQL."""
-    if request.param == "postgresql":
-        reset_postgres()
-        url = POSTGRES_URL
-    else:
-        url = f"sqlite:///{tmp_path / 'pathgate.db'}"
+@pytest.fixture
+def store(database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:  # noqa: F811
+    """The GitHub flows' store: service_fixtures' database (SQLite and the real PostgreSQL)
+    with the webhook secret and the public URL set."""
     set_env(
         monkeypatch,
-        database_url=url,
         github_webhook_secret=SECRET,
         public_url=PUBLIC_URL,
         work_dir=str(tmp_path / "work"),
     )
-    upgrade(url)
-    yield url
-    engine_for(url).dispose()
-    engine_for.cache_clear()
-    get_settings.cache_clear()
+    return database_url
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from harness.errors import InvalidInput, NotFound
-from harness.evaluation.evidence import STATE_OF_VERDICT, Evidence, Model, Verdict
+from harness.evaluation.evidence import STATE_OF_VERDICT, Evidence, Verdict
 from harness.github import hooks as github_hooks
 from harness.reports.markdown import render_markdown
 from harness.store import repositories as repo
@@ -247,8 +247,8 @@ def record_evidence(session: Session, job: Job, evidence: Evidence, log_tail: st
             origin=c.origin,
             status=c.status,
             reasons=c.reasons,
-            correctness=_json(c.correctness) if c.correctness else None,
-            performance=_json(c.performance) if c.performance else None,
+            correctness=c.correctness.model_dump(mode="json") if c.correctness else None,
+            performance=c.performance.model_dump(mode="json") if c.performance else None,
         )
         for c in evidence.cases
     ] + [
@@ -276,12 +276,6 @@ def record_evidence(session: Session, job: Job, evidence: Evidence, log_tail: st
     job.verdict = evidence.verdict
     job.reason = "; ".join(evidence.verdict_reasons[:3])
     _close(job, log_tail)
-
-
-def _json(model: Model) -> Any:
-    """As the evidence JSON has it: an infinite error as the string "Infinity", which reads back
-    as a float (model_dump(mode="json") keeps the float, which JSON, and PostgreSQL, refuse)."""
-    return json.loads(model.model_dump_json())
 
 
 def record_failure(session: Session, job: Job, state: str, reason: str, log_tail: str) -> None:

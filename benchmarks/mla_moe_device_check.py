@@ -43,8 +43,8 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
         the plan
     python3 benchmarks/mla_moe_device_check.py --sweep-moe-plan  # as --sweep-pdl: the layer
         with each MOE_PLAN_VARIANTS change of the MoE plan (the plan from before the
-        seventeenth session, the gate_up's grid and the down each the other way) and the
-        candidate plan (candidate_moe_plan) against the plan
+        seventeenth session, the gate_up's grid and the down each the other way) and run 18's
+        MoE plan (run18_moe_plan) against the plan
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -1232,22 +1232,23 @@ def moe_before_seventeenth(plan: fused.LayerPlan) -> fused.LayerPlan:
 
 
 def toggle_down_items(plan: fused.LayerPlan) -> fused.LayerPlan:
-    """The down the other way: as work items (4 programs per H200 SM, K steps of 128) where the
-    plan's walks the experts, and run 18's walker (K steps of 256 while the batch-wide token
-    tile is at most 32 rows) where the plan's is items."""
+    """The down the other way: run 18's walker (K steps of 256 while the batch-wide token tile
+    is at most 32 rows) where the plan's is items, and as work items (4 programs per H200 SM,
+    K steps of 128) where the plan's walks the experts."""
     if plan.moe.down_programs:
         return _with_moe(plan, down_programs=0, down_k=256 if plan.moe.block_m <= 32 else 128)
     return _with_moe(plan, down_programs=4 * 132, down_k=128)
 
 
-def candidate_moe_plan(plan: fused.LayerPlan, batch: int) -> fused.LayerPlan:
-    """Run 18's plan with the eighteenth session's two measured changes, the next validate's
-    plan: the down as items (4 programs per H200 SM, K steps of 128), and the gate_up's grid
-    capped (2 per SM) at batch 5-8 only, one program per item above. Batch <= 4 as it is."""
+def run18_moe_plan(plan: fused.LayerPlan, batch: int) -> fused.LayerPlan:
+    """The MoE plan of run 18, the validate before the down became work items: the down walking
+    the experts (K steps of 256 while the batch-wide token tile is at most 32 rows, 128
+    above), and the gate_up's grid capped at 2 programs per H200 SM at every batch above 4.
+    Batch <= 4 as it is (the plan there did not change)."""
     if batch <= 4:
         return plan
-    cap = 2 * 132 if batch <= 8 else 0
-    return _with_moe(plan, down_programs=4 * 132, down_k=128, gate_up_programs=cap)
+    down_k = 256 if plan.moe.block_m <= 32 else 128
+    return _with_moe(plan, down_programs=0, down_k=down_k, gate_up_programs=2 * 132)
 
 
 def _with_moe(plan: fused.LayerPlan, **change: int) -> fused.LayerPlan:
@@ -1255,13 +1256,13 @@ def _with_moe(plan: fused.LayerPlan, **change: int) -> fused.LayerPlan:
 
 
 def toggle_gate_up_cap(plan: fused.LayerPlan) -> fused.LayerPlan:
-    """The gate_up grid the other way: one program per item where the plan caps it, capped at
-    2 programs per H200 SM (the plan's cap at batch 5-8) where it does not."""
+    """The gate_up grid the other way: one program per item where the plan caps it (batch
+    5-8), capped at 2 programs per H200 SM where it does not (above batch 8)."""
     return _with_moe(plan, gate_up_programs=0 if plan.moe.gate_up_programs else 2 * 132)
 
 
 # --sweep-moe-plan: the MoE plan before the seventeenth session, the gate_up's grid the other
-# way, the down the other way, and (added per case, as it depends on the batch) "candidate",
+# way, the down the other way, and (added per case, as it depends on the batch) "run 18",
 # each against the plan in the whole layer
 MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan], fused.LayerPlan]] = {
     "moe before": moe_before_seventeenth,
@@ -1273,9 +1274,8 @@ MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan], fused.LayerPlan]] = {
 def _compare_moe_plans(
     problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
-    """The plan ("off") and each MOE_PLAN_VARIANTS change and the candidate, in the layer."""
-    candidate = partial(candidate_moe_plan, batch=case.batch)
-    changes = MOE_PLAN_VARIANTS | {"candidate": candidate}
+    """The plan ("off") and each MOE_PLAN_VARIANTS change and run 18's MoE, in the layer."""
+    changes = MOE_PLAN_VARIANTS | {"run 18": partial(run18_moe_plan, batch=case.batch)}
     _compare_plans(problem, weights, case, row, t, changes)
 
 

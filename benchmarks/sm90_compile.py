@@ -12,7 +12,7 @@ arguments, constexprs, warps and stages, and reads the cubin's resources: regist
 Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compiler needs):
 
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
-        [--moe plan|candidate] [--out pathgate-out/benchmarks/sm90_compile.json]
+        [--moe plan|run18] [--out pathgate-out/benchmarks/sm90_compile.json]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
 Triton (CI: 3.9), not necessarily the device's (3.6): a clean compile here is evidence, not
@@ -227,10 +227,10 @@ def programs_per_sm(shared_bytes: int, registers: int, warps: int) -> int:
 
 def compile_layer(batch: int, context: int, moe: str = "plan") -> list[Compiled]:
     plan = None
-    if moe == "candidate":
-        from benchmarks.mla_moe_device_check import candidate_moe_plan
+    if moe == "run18":
+        from benchmarks.mla_moe_device_check import run18_moe_plan
 
-        plan = candidate_moe_plan(
+        plan = run18_moe_plan(
             fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS), batch
         )
     return [
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
-    parser.add_argument("--moe", choices=("plan", "candidate"), default="plan")
+    parser.add_argument("--moe", choices=("plan", "run18"), default="plan")
     parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/sm90_compile.json")
     )

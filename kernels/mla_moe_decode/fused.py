@@ -312,29 +312,27 @@ def _moe_blocks(batch: int, on_gpu: bool, sm_count: int) -> MoeBlocks:
     # docs/runs/2026-12-04-shared-split/).
     if batch <= 4:
         return MoeBlocks(block_m, 32, 128, 32, 128, num_warps=4, num_stages=4, shared_splits=14)
-    # Batch > 4, from the seventeenth session's sweeps (docs/runs/2026-12-04-seventeenth/):
-    # - a gate_up grid of 2 programs per SM that loop over the items: 4 stages leave 2-3 per
-    #   SM, and one program per item ran the ~480 items of batch 8 as a wave and a part of
-    #   one (161.2 µs against 167.1 at batch 8; with the 16-row tiles below, within 0.3% at
-    #   32-64);
+    # Batch > 4, from the seventeenth and eighteenth sessions' sweeps
+    # (docs/runs/2026-12-04-seventeenth/, docs/runs/2026-12-04-eighteenth/):
     # - the gate_up gathers each expert's tokens into tiles of 16 rows (token_rows): above
     #   batch 16 a local expert has a few tokens, and the batch-wide tile held the rest masked
     #   in shared memory and the MMA (4 stages of (64 + 64) x 128 bf16 at batch 64: 128 KB,
     #   one program per SM). With 16-row tiles and 4 stages: 819.7 / 725.9 µs at batch 64 /
     #   48 against 891.2 / 787.4 for the batch-wide tile and 3 stages;
-    # - down K steps of 256 while the down's token tile is at most 32 rows (its rows stay the
-    #   batch's, masked): 161.6 / 318.3 / 516.1 µs at batch 8 / 16 / 32 against 162.9 / 325.2
-    #   / 518.8 for steps of 128; at 64 rows two fit on an SM no more, and batch 64 took 882.2
-    #   against 821.6.
-    # This is run 18's plan, the last one validated. Measured since, not yet validated (the
-    # eighteenth session lost its machine in the validate): the down as work items
-    # (down_programs = 4 per SM, K steps of 128) and the gate_up's cap at batch 5-8 only,
-    # 4-7% faster per layer at batch 32-64 in `--sweep-moe-plan` (benchmark's
-    # `candidate_moe_plan`; docs/benchmarks.md, "The MoE's down as work items").
-    down_k = 256 if block_m <= 32 else 128
+    # - the down as work items (down_programs): 4 programs per SM loop over (tile, column
+    #   block) items with the gate_up's 16-row tiles, K steps of 128. The down alone read
+    #   4.06 / 3.90 TB/s at batch 64 / 32 (272 / 174 µs against 338 / 213 for run 18's expert
+    #   walker); 3 per SM (396 programs) or K steps of 256 were slower. In the layer
+    #   (`--sweep-moe-plan`): 4.3-7.3% less per layer at batch 32-64, 0.2-1.0% at 8-16;
+    # - the gate_up's grid capped at 2 programs per SM at batch 5-8 only: one program per
+    #   item ran the ~480 items of batch 8 as a wave and a part of one (161.2 µs against
+    #   167.1 for the MoE alone); above, the cap measured within 1.6% either way in the layer.
+    # Run 18 (the last validate before this plan) had the down walk the experts, K steps of
+    # 256 up to 32 token rows, and the gate_up capped at every batch above 4.
+    gate_up_programs = 2 * sm_count if batch <= 8 else 0
     return MoeBlocks(
-        block_m, 32, 128, 32, down_k, num_warps=4, num_stages=4,
-        gate_up_programs=2 * sm_count, token_rows=16,
+        block_m, 32, 128, 32, 128, num_warps=4, num_stages=4,
+        gate_up_programs=gate_up_programs, token_rows=16, down_programs=4 * sm_count,
     )  # fmt: skip
 
 

@@ -17,8 +17,8 @@ from benchmarks import mla_moe_device_check as device_check
 from benchmarks.mla_moe_device_check import (
     MOE_PLAN_VARIANTS,
     SMALL_KERNEL_VARIANTS,
-    candidate_moe_plan,
     moe_before_seventeenth,
+    run18_moe_plan,
     toggle_down_items,
     toggle_gate_up_cap,
     with_plan_value,
@@ -137,11 +137,11 @@ def test_moe_plan_sweep_times_the_earlier_moe_plan_against_the_plan(tmp_path: Pa
     _run("mla_moe_device_check.py", *args)
     rows = json.loads(out.read_text())["pdl"]
     assert [(r["batch"], r["errors"]) for r in rows] == [(3, [])]
-    variants = [*MOE_PLAN_VARIANTS, "candidate"]
+    variants = [*MOE_PLAN_VARIANTS, "run 18"]
     assert set(rows[0]["us"]) == set(variants)
     # the interpreter's dots are fp32 either way; the down as items sums a token's experts in
-    # another order (and at batch 3 the candidate is the plan)
-    assert rows[0]["same_bits"]["moe before"] and rows[0]["same_bits"]["candidate"]
+    # another order (and at batch 3 run 18's MoE is the plan)
+    assert rows[0]["same_bits"]["moe before"] and rows[0]["same_bits"]["run 18"]
     assert all(rows[0]["us"][v] > 0 and rows[0]["off_us"][v] > 0 for v in variants)
 
 
@@ -152,24 +152,24 @@ def test_the_moe_plan_before_the_seventeenth_session(batch: int) -> None:
     before = moe_before_seventeenth(plan)
     assert dataclasses.replace(before, moe=plan.moe) == plan
     if batch == 1:  # unchanged at batch <= 4
-        assert before == plan and candidate_moe_plan(plan, batch) == plan
+        assert before == plan and run18_moe_plan(plan, batch) == plan
         return
     moe = before.moe
     assert (moe.gate_up_programs, moe.token_rows, moe.down_k, moe.down_programs) == (0, 0, 128, 0)
     assert moe.num_stages == (4 if batch <= 16 else 3)
-    # run 18's plan: the gate_up capped, the down walking the experts
-    assert (plan.moe.gate_up_programs, plan.moe.token_rows, plan.moe.down_programs) == (264, 16, 0)
-    assert toggle_gate_up_cap(plan).moe.gate_up_programs == 0
-    items = toggle_down_items(plan)
-    assert (items.moe.down_programs, items.moe.down_k) == (528, 128)
-    assert toggle_down_items(items) == plan
-    # the candidate: the down as items, and the cap at batch 5-8 only
-    candidate = candidate_moe_plan(plan, batch)
-    assert dataclasses.replace(candidate, moe=plan.moe) == plan
-    expected = dataclasses.replace(
-        plan.moe, down_programs=528, down_k=128, gate_up_programs=264 if batch <= 8 else 0
-    )
-    assert candidate.moe == expected
+    # the plan: the down as items, the gate_up capped at batch 5-8 only
+    cap = 264 if batch <= 8 else 0
+    assert (plan.moe.gate_up_programs, plan.moe.token_rows) == (cap, 16)
+    assert (plan.moe.down_programs, plan.moe.down_k) == (528, 128)
+    assert toggle_gate_up_cap(plan).moe.gate_up_programs == 264 - cap
+    walker = toggle_down_items(plan)
+    assert (walker.moe.down_programs, walker.moe.down_k) == (0, 256 if batch <= 32 else 128)
+    assert toggle_down_items(walker) == plan
+    # run 18's: the down walking the experts, the cap at every batch above 4
+    run18 = run18_moe_plan(plan, batch)
+    assert dataclasses.replace(run18, moe=plan.moe) == plan
+    expected = dataclasses.replace(walker.moe, gate_up_programs=264)
+    assert run18.moe == expected
 
 
 def test_with_plan_value_changes_that_kernel_alone() -> None:

@@ -37,6 +37,8 @@ LAYER = [
     "_gate_up_kernel",
     "_down_kernel",
 ]
+# above batch 4 the plan's down runs as work items (MoeBlocks.down_programs)
+LAYER_ITEMS = [*LAYER[:-1], "_down_items_kernel"]
 BATCHES, CONTEXTS = (1, 8, 64), (1024, 32768)
 
 
@@ -74,7 +76,8 @@ def test_every_kernel_of_the_h200_plan_compiles_for_sm90(plan_report: dict) -> N
     cases = _by_case(plan_report)
     assert set(cases) == {(b, c) for b in BATCHES for c in CONTEXTS}
     for case, launches in cases.items():
-        assert [launch["kernel"] for launch in launches] == LAYER, case
+        expected = LAYER if case[0] <= 4 else LAYER_ITEMS
+        assert [launch["kernel"] for launch in launches] == expected, case
         for launch in launches[1:]:  # kernel 1 is CuTe DSL, not compiled by Triton
             where = f"{launch['kernel']} at batch x context {case}"
             assert launch["error"] == "", where
@@ -95,22 +98,24 @@ def test_the_compiled_launches_are_the_plans(plan_report: dict) -> None:
         if "ROWS" in launch["constexprs"]:
             assert launch["constexprs"]["ROWS"] == 1, launch["kernel"]
     gate_up = next(launch for launch in launches if launch["kernel"] == "_gate_up_kernel")
-    assert gate_up["grid"] == [2 * 132]  # the plan's grid above batch 4: 2 programs per SM
+    assert gate_up["grid"][0] > 2 * 132  # one program per item above batch 8, not the cap
     assert gate_up["constexprs"]["TOKENS"] == 16
+    down = next(launch for launch in launches if launch["kernel"] == "_down_items_kernel")
+    assert down["grid"] == [4 * 132]  # the plan's down above batch 4: 4 programs per SM
     split = next(launch for launch in launches if launch["kernel"] == "_mla_split_kernel")
     assert split["grid"] == [64, 16]  # 16 splits of the context per token above batch 8
 
 
-def test_the_candidate_moe_plan_compiles_for_sm90(tmp_path: Path) -> None:
+def test_run_18s_moe_plan_compiles_for_sm90(tmp_path: Path) -> None:
+    """--moe run18: the validated plan before the down became items, for comparisons."""
     report = _run_tool(
-        tmp_path / "candidate.json", "--batches", "8", "64", "--contexts", "1024", "--moe",
-        "candidate",
-    )  # fmt: skip
+        tmp_path / "run18.json", "--batches", "8", "64", "--contexts", "1024", "--moe", "run18"
+    )
     for case, launches in _by_case(report).items():
-        assert [launch["kernel"] for launch in launches] == [*LAYER[:-1], "_down_items_kernel"]
-        down = launches[-1]
-        assert down["error"] == "", case
-        assert down["grid"] == [4 * 132]
+        assert [launch["kernel"] for launch in launches] == LAYER, case
+        gate_up, down = launches[-2:]
+        assert (gate_up["error"], down["error"]) == ("", ""), case
+        assert gate_up["grid"] == [2 * 132]
         assert down["programs_per_sm"] >= 1
 
 

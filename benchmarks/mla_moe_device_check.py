@@ -1495,7 +1495,7 @@ def main() -> None:
         environment["fused_input_norm"] = "Triton add+RMSNorm standing in for the CuTe DSL kernel"
     print(f"{environment}; copy {copy_bw / 1e12:.3f} TB/s, floor {read_bw / 1e12:.3f} TB/s")
     batches = [1, 4, 64] if args.quick else [1, 8, 64]
-    contexts = [8192] if args.quick else [1024, 8192, 32768]
+    contexts = args.contexts or ([8192] if args.quick else [1024, 8192, 32768])
     if args.small:
         contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
     if args.sweep_pdl or args.sweep_small_kernels or args.sweep_moe_plan:
@@ -1628,6 +1628,13 @@ def _parse_args() -> argparse.Namespace:
         help="the batches of the sweeps and --profile-fused (on the GPU by default: attention "
         "1 8; router and combine 1 8 64; profile 1 4 8; the MoE sweeps and the layer "
         "comparisons the part-2 batches); the other runs ignore it",
+    )
+    parser.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        help="the contexts of every run instead of 1024 8192 32768 (--quick: 8192); --small "
+        "divides them by 128 (at most the CPU test context)",
     )
     parser.add_argument(
         "--sweep-pdl",

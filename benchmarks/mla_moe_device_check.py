@@ -26,6 +26,9 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
         each kernel's duration and the idle gap before it, middle layer
     python3 benchmarks/mla_moe_device_check.py --sweep-moe-down  # instead of parts 1 and 2:
         the MoE pair and its down kernel alone, the plan's and each MOE_DOWN_ITEMS down
+    python3 benchmarks/mla_moe_device_check.py --sweep-moe-rounds  # instead of parts 1 and 2:
+        the MoE pair at batch 8 with exactly 4-12 local experts per launch, for each gate_up
+        grid (the plan's cap, one program per item, 2 and 3 per SM)
     python3 benchmarks/mla_moe_device_check.py --sweep-attention  # instead of parts 1 and 2:
         the split-KV attention + combine alone at batch 1 and 8 in each ATTENTION_VARIANTS tiling
         (--batches 16 64: above batch 8, each ATTENTION_VARIANTS_LARGE tiling)
@@ -481,10 +484,13 @@ def _check_moe(
     blocks: MoeBlocks | None = None,
     shared_only: bool = False,
     part: str = "both",
+    local_experts: int | None = None,
 ) -> KernelCheck:
     """Routing drawn uniformly (each token top_k of all experts; one local expert forced for
     the first token); each timing copy draws its own, so consecutive launches read different
-    experts, as different layers would. `blocks`: tiles other than the fused path's plan.
+    experts, as different layers would. `local_experts`: instead, every copy chooses exactly
+    that many of this GPU's experts (_ids_with_local_experts). `blocks`: tiles other than the
+    fused path's plan.
     `shared_only`: every token routed to other GPUs' experts, so only the shared expert runs
     (a third of the layers at batch 1). `part`: "both" kernels, or only the "gate_up" or the
     "down" timed (each copy's act made beforehand), with that kernel's bytes: which of the two
@@ -496,6 +502,8 @@ def _check_moe(
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
 
     def draw() -> Tensors:
+        if local_experts is not None:
+            return {"ids": _ids_with_local_experts(c, batch, local_experts, gen, t.device)}
         pool = c.experts_total - c.experts if shared_only else c.experts_total
         rows = [torch.randperm(pool, generator=gen, device=t.device) for _ in h]
         ids = torch.stack(rows)[:, : c.top_k].contiguous()
@@ -541,6 +549,26 @@ def _check_moe(
         "down": "MoE down+combine alone",
     }[part]
     return KernelCheck(name, "Triton", run, copies[0], moved, errors, note, copies=copies)
+
+
+def _ids_with_local_experts(
+    c: LayerConfig, batch: int, n: int, gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """(batch, top_k) expert ids that choose exactly n distinct local experts, one token each
+    (the usual case at batch <= 8): local expert j goes to token j % batch, slot j // batch;
+    every other slot is another GPU's expert, distinct within its token."""
+    if not 0 <= n <= min(c.experts, batch * c.top_k):
+        shard = f"this shard has {c.experts}, batch x top_k is {batch * c.top_k}"
+        raise ValueError(f"{n} local experts: {shard}")
+    others = c.experts_total - c.experts
+    rows = [torch.randperm(others, generator=gen, device=device)[: c.top_k] for _ in range(batch)]
+    ids = torch.stack(rows)
+    ids = torch.where(ids >= c.expert_offset, ids + c.experts, ids)  # step over the local range
+    local = torch.randperm(c.experts, generator=gen, device=device)[:n] + c.expert_offset
+    # (top_k, batch): flat index j is token j % batch, slot j // batch
+    by_slot = ids.t().contiguous()
+    by_slot.view(-1)[:n] = local
+    return by_slot.t().contiguous().int()
 
 
 def _local_experts(c: LayerConfig, ids: torch.Tensor) -> int:
@@ -766,6 +794,41 @@ def sweep_moe_down(problem: Problem, batches: list[int], t: Target) -> list[Kern
                 row = _soft_kernel(build, problem.config, weights, batch, gen, t)
                 down = (blocks.down_cols, blocks.down_k, blocks.down_programs)
                 row.note = f"down (cols, K, programs) {down}; {row.note}"
+                rows.append(row)
+                _print_kernel_row(row)
+    return rows
+
+
+# --sweep-moe-rounds: the MoE pair with exactly n local experts per launch, for each gate_up
+# grid. Capped at 2 programs per SM (264 on the H200, the plan at batch 5-8), the gate_up's
+# items (each local expert's 64 feature blocks, and the shared expert's 8) fall into rounds: 8
+# experts make 520 items, under two rounds of 264; 9 make 584, and 56 programs run a third
+# item while most SMs wait. Batch 8's validates ran 15-30 µs per layer above their floor at
+# some contexts and not at others with the same mean expert count (docs/benchmarks.md, run 19):
+# whether the rounds do that is what this measures, against one program per item and 3 per
+# SM (as many as fit: 60 KB and 149 registers under Triton 3.6).
+MOE_ROUNDS_EXPERTS = range(4, 13)
+
+
+def sweep_moe_rounds(problem: Problem, batches: list[int], t: Target) -> list[KernelRow]:
+    c = problem.config
+    weights = problem.make_weights(_case(1, 1024, t), 0, t.device)
+    sms = max(t.sm_count(), 4)
+    counts = MOE_ROUNDS_EXPERTS if t.on_gpu else range(2, 4)
+    rows = []
+    for batch in batches:
+        plan = _plan(c, batch, 1024, t).moe
+        caps = dict.fromkeys([plan.gate_up_programs, 0, 2 * sms, 3 * sms])
+        for n in counts:
+            for cap in caps:
+                gen = torch.Generator(device=t.device).manual_seed(batch * 100 + n)
+                blocks = replace(plan, gate_up_programs=cap)
+                build = partial(_check_moe, blocks=blocks, local_experts=n)
+                row = _soft_kernel(build, c, weights, batch, gen, t)
+                grid = f"gate_up grid {cap or 'one per item'}"
+                if cap == plan.gate_up_programs:
+                    grid += " (plan)"
+                row.note = f"{n} local experts; {grid}; {row.note}"
                 rows.append(row)
                 _print_kernel_row(row)
     return rows
@@ -1544,6 +1607,10 @@ def main() -> None:
         print("== MoE down as items", flush=True)
         kernel_rows = sweep_moe_down(problem, args.batches or batches, t)
         args.only_kernels = True
+    elif args.sweep_moe_rounds:
+        print("== MoE rounds: n local experts per launch, each gate_up grid", flush=True)
+        kernel_rows = sweep_moe_rounds(problem, args.batches or [8], t)
+        args.only_kernels = True
     elif args.sweep_router:
         print("== router GEMV + routing", flush=True)
         kernel_rows = sweep_router(problem, args.batches or [1, 8, 64], t)
@@ -1600,6 +1667,12 @@ def _parse_args() -> argparse.Namespace:
         "--sweep-moe-down",
         action="store_true",
         help="instead of parts 1 and 2: the MoE with the down as items (MOE_DOWN_ITEMS)",
+    )
+    parser.add_argument(
+        "--sweep-moe-rounds",
+        action="store_true",
+        help="instead of parts 1 and 2: the MoE pair with 4-12 local experts per launch, each "
+        "gate_up grid (--batches, default 8)",
     )
     parser.add_argument(
         "--profile-fused",

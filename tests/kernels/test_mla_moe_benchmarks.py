@@ -241,3 +241,44 @@ def test_moe_down_sweep_times_each_down_as_the_pair_and_alone(tmp_path: Path) ->
     assert [r["kernel"].endswith("alone") for r in rows] == [False, True] * len(downs)
     for row in rows:
         assert row["error"] is None and row["relative_error"] < 1e-2, row
+
+
+def test_moe_rounds_sweep_times_each_gate_up_grid_per_expert_count(tmp_path: Path) -> None:
+    out = tmp_path / "moe_rounds.json"
+    args = ("--small", "--quick", "--sweep-moe-rounds", "--batches", "3", "--out", str(out))
+    _run("mla_moe_device_check.py", *args)
+    rows = json.loads(out.read_text())["kernels"]
+    notes = [r["note"].split("; ") for r in rows]
+    # the CPU's counts (2 and 3 local experts) x the plan's grid (one per item), 2 and 3 per
+    # SM of the CPU target's 4 "SMs"
+    assert [n[:2] for n in notes] == [
+        [f"{n} local experts", grid]
+        for n in (2, 3)
+        for grid in ("gate_up grid one per item (plan)", "gate_up grid 8", "gate_up grid 12")
+    ]
+    # every launch read exactly that many of the shard's experts
+    assert [n[2] for n in notes] == [
+        f"active local experts per launch {n}-{n}" for n in (2, 2, 2, 3, 3, 3)
+    ]
+    for row in rows:
+        assert row["error"] is None and row["relative_error"] < 1e-2, row
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 8])
+def test_ids_with_local_experts_choose_exactly_n_of_the_shards(n: int) -> None:
+    c = LayerConfig(**fused.CPU_TEST_CONFIG)  # rank 2: local ids start past other ranks'
+    gen = torch.Generator().manual_seed(n)
+    ids = device_check._ids_with_local_experts(c, 3, n, gen, torch.device("cpu"))
+    assert ids.shape == (3, c.top_k) and ids.dtype == torch.int32
+    local = (ids >= c.expert_offset) & (ids < c.expert_offset + c.experts)
+    assert int(local.sum()) == n == device_check._local_experts(c, ids)
+    assert all(len(set(row.tolist())) == c.top_k for row in ids)  # distinct within a token
+    assert int(ids.min()) >= 0 and int(ids.max()) < c.experts_total
+
+
+def test_ids_with_local_experts_refuse_more_than_the_shard_holds() -> None:
+    c = LayerConfig(**fused.CPU_TEST_CONFIG)
+    with pytest.raises(ValueError, match="local experts"):
+        device_check._ids_with_local_experts(
+            c, 3, c.experts + 1, torch.Generator(), torch.device("cpu")
+        )

@@ -46,8 +46,8 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
         the plan
     python3 benchmarks/mla_moe_device_check.py --sweep-moe-plan  # as --sweep-pdl: the layer
         with each MOE_PLAN_VARIANTS change of the MoE plan (the plan from before the
-        seventeenth session, the gate_up's grid and the down each the other way) and run 18's
-        MoE plan (run18_moe_plan) against the plan
+        seventeenth session, the gate_up's grid the other way or at 3 programs per SM, the
+        down the other way) and run 18's MoE plan (run18_moe_plan) against the plan
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -1324,12 +1324,20 @@ def toggle_gate_up_cap(plan: fused.LayerPlan) -> fused.LayerPlan:
     return _with_moe(plan, gate_up_programs=0 if plan.moe.gate_up_programs else 2 * 132)
 
 
+def gate_up_three_per_sm(plan: fused.LayerPlan) -> fused.LayerPlan:
+    """The gate_up's grid capped at 3 programs per H200 SM (396), as many as fit (60 KB of
+    shared memory, 149-168 registers under Triton 3.6): fewer rounds than the plan's 2 per SM
+    when the items are a little over a multiple of 264 (--sweep-moe-rounds)."""
+    return _with_moe(plan, gate_up_programs=3 * 132)
+
+
 # --sweep-moe-plan: the MoE plan before the seventeenth session, the gate_up's grid the other
-# way, the down the other way, and (added per case, as it depends on the batch) "run 18",
-# each against the plan in the whole layer
+# way or at 3 per SM, the down the other way, and (added per case, as it depends on the batch)
+# "run 18", each against the plan in the whole layer
 MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan], fused.LayerPlan]] = {
     "moe before": moe_before_seventeenth,
     "gate_up cap toggled": toggle_gate_up_cap,
+    "gate_up 3 per SM": gate_up_three_per_sm,
     "down items toggled": toggle_down_items,
 }
 

@@ -162,6 +162,10 @@ def test_the_moe_plan_before_the_seventeenth_session(batch: int) -> None:
     assert (plan.moe.gate_up_programs, plan.moe.token_rows) == (cap, 16)
     assert (plan.moe.down_programs, plan.moe.down_k) == (528, 128)
     assert toggle_gate_up_cap(plan).moe.gate_up_programs == 264 - cap
+    three = device_check.gate_up_three_per_sm(plan)
+    assert three == dataclasses.replace(
+        plan, moe=dataclasses.replace(plan.moe, gate_up_programs=396)
+    )
     walker = toggle_down_items(plan)
     assert (walker.moe.down_programs, walker.moe.down_k) == (0, 256 if batch <= 32 else 128)
     assert toggle_down_items(walker) == plan

@@ -910,12 +910,16 @@ def sweep_attention(
         for context in contexts:
             plan = _plan(c, batch, context, t).attention
             variants = ATTENTION_VARIANTS if batch <= 8 else ATTENTION_VARIANTS_LARGE
-            for variant in variants if t.on_gpu else variants[:2]:
-                blocks = attention_variant(plan, context, batch, max(t.sm_count(), 4), variant)
+            sms = max(t.sm_count(), 4)
+            tilings = [("plan", plan)] + [
+                (f"variant {v}", attention_variant(plan, context, batch, sms, v))
+                for v in (variants if t.on_gpu else variants[:2])
+            ]
+            for name, blocks in tilings:
                 gen = torch.Generator(device=t.device).manual_seed(batch)
                 build = partial(_check_attention, context=context, blocks=blocks)
                 row = _soft_kernel(build, c, {}, batch, gen, t)
-                row.note = f"variant {variant}; {blocks.splits} splits of {blocks.tokens_per_split}"
+                row.note = f"{name}; {blocks.splits} splits of {blocks.tokens_per_split}"
                 rows.append(row)
                 _print_kernel_row(row)
     return rows

@@ -1261,6 +1261,8 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool]] = {
     "route weights in loop": ("route_weights_in_loop", True),  # its first build's order
     "norm 32 warps": ("norm_warps", 32),  # the post-attention add + RMSNorm (plan: 16 here)
     "absorb 8 warps": ("absorb_warps", 8),  # q_absorb (plan: 4)
+    # the split-KV attention with every tile masked, as before the twentieth session
+    "attention masks every tile": ("mask_every_tile", True),
 }
 
 

@@ -66,6 +66,9 @@ class AttentionBlocks:
     absorb_warps: int = 4
     combine_warps: int = 4
     uv_warps: int = 4
+    # the split kernel as built before the twentieth session, every tile masked (measurement
+    # only: `mla_moe_device_check.py --sweep-small-kernels` compares it with the plan)
+    mask_every_tile: bool = False
 
 
 # fused_qkv_a partial sums -> q_a_layernorm(q_c), kv_new
@@ -330,6 +333,7 @@ def _mla_split_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_F32: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -359,19 +363,28 @@ def _mla_split_kernel(
     # twentieth session's profile, docs/benchmarks.md). Only the last, partial tile is masked.
     whole_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
     tokens = tl.arange(0, BLOCK_T)
-    for tile in range(start, whole_end, BLOCK_T):
-        token_at = cache_row + (tile + tokens)[:, None] * width  # (BLOCK_T, 1)
-        running_max, running_sum, acc = _attend_tile(
-            q_latent, q_rope, token_at, tokens, ls, rs, l_mask, r_mask, L, scale_log2,
-            running_max, running_sum, acc, BLOCK_H, BLOCK_T, DOT_F32, MASKED=False,
-        )  # fmt: skip
-    if whole_end < end:
-        token_at = cache_row + (whole_end + tokens)[:, None] * width
-        t_mask = whole_end + tokens < end
-        running_max, running_sum, acc = _attend_tile(
-            q_latent, q_rope, token_at, t_mask, ls, rs, l_mask, r_mask, L, scale_log2,
-            running_max, running_sum, acc, BLOCK_H, BLOCK_T, DOT_F32, MASKED=True,
-        )  # fmt: skip
+    if MASK_EVERY_TILE:
+        for tile in range(start, end, BLOCK_T):
+            token_at = cache_row + (tile + tokens)[:, None] * width
+            running_max, running_sum, acc = _attend_tile(
+                q_latent, q_rope, token_at, tile + tokens < end, ls, rs, l_mask, r_mask, L,
+                scale_log2, running_max, running_sum, acc, BLOCK_H, BLOCK_T, DOT_F32,
+                MASKED=True,
+            )  # fmt: skip
+    else:
+        for tile in range(start, whole_end, BLOCK_T):
+            token_at = cache_row + (tile + tokens)[:, None] * width  # (BLOCK_T, 1)
+            running_max, running_sum, acc = _attend_tile(
+                q_latent, q_rope, token_at, tokens, ls, rs, l_mask, r_mask, L, scale_log2,
+                running_max, running_sum, acc, BLOCK_H, BLOCK_T, DOT_F32, MASKED=False,
+            )  # fmt: skip
+        if whole_end < end:
+            token_at = cache_row + (whole_end + tokens)[:, None] * width
+            running_max, running_sum, acc = _attend_tile(
+                q_latent, q_rope, token_at, whole_end + tokens < end, ls, rs, l_mask, r_mask,
+                L, scale_log2, running_max, running_sum, acc, BLOCK_H, BLOCK_T, DOT_F32,
+                MASKED=True,
+            )  # fmt: skip
     stat_at = (row * n_splits + split) * H + heads
     tl.store(max_ptr + stat_at, running_max, mask=head_mask)
     tl.store(sum_ptr + stat_at, running_sum, mask=head_mask)
@@ -563,6 +576,7 @@ def _split_partials(
         BLOCK_L=triton.next_power_of_2(lora),
         BLOCK_R=triton.next_power_of_2(width - lora),
         DOT_F32=not on_gpu(q_lat),
+        MASK_EVERY_TILE=blocks.mask_every_tile,
         num_warps=blocks.split_warps,
         num_stages=blocks.split_stages,
         **pdl_options(q_lat.device),

@@ -12,7 +12,7 @@ arguments, constexprs, warps and stages, and reads the cubin's resources: regist
 Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compiler needs):
 
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
-        [--moe plan|run18] [--out pathgate-out/benchmarks/sm90_compile.json]
+        [--moe plan|run18] [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
 Triton (CI: 3.9), not necessarily the device's (3.6): a clean compile here is evidence, not
@@ -155,7 +155,11 @@ def layer_launches(batch: int, context: int, plan: fused.LayerPlan | None = None
     return launches
 
 
-def compile_launch(launch: Launch, batch: int, context: int) -> Compiled:
+def compile_launch(
+    launch: Launch, batch: int, context: int, ptx_path: Path | None = None
+) -> Compiled:
+    """Compile one launch for sm_90; with ptx_path, also write its PTX there (to compare the
+    code two launches got, e.g. at a context that is a multiple of 16 and one that is not)."""
     result = Compiled(launch.kernel, batch, context, list(launch.grid))
     if launch.fn is None:
         result.note = "CuTe DSL: compiled on the device, not here"
@@ -171,6 +175,9 @@ def compile_launch(launch: Launch, batch: int, context: int) -> Compiled:
         result.error = f"{type(error).__name__}: {error}".strip()[:2000]
         return result
     result.compile_s = round(time.perf_counter() - start, 2)
+    if ptx_path is not None:
+        ptx_path.parent.mkdir(parents=True, exist_ok=True)
+        ptx_path.write_text(kernel.asm["ptx"])
     result.shared_bytes = int(kernel.metadata.shared)
     result.registers, result.spill_bytes = cubin_resources(kernel.asm["cubin"])
     result.programs_per_sm = programs_per_sm(
@@ -225,7 +232,9 @@ def programs_per_sm(shared_bytes: int, registers: int, warps: int) -> int:
     return min(by_shared, by_registers, SM_WARPS // warps, SM_BLOCKS)
 
 
-def compile_layer(batch: int, context: int, moe: str = "plan") -> list[Compiled]:
+def compile_layer(
+    batch: int, context: int, moe: str = "plan", ptx_dir: Path | None = None
+) -> list[Compiled]:
     plan = None
     if moe == "run18":
         from benchmarks.mla_moe_device_check import run18_moe_plan
@@ -233,9 +242,15 @@ def compile_layer(batch: int, context: int, moe: str = "plan") -> list[Compiled]
         plan = run18_moe_plan(
             fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS), batch
         )
+    launches = layer_launches(batch, context, plan)
     return [
-        compile_launch(launch, batch, context) for launch in layer_launches(batch, context, plan)
+        compile_launch(launch, batch, context, ptx_dir and ptx_dir / _ptx_name(i, launch))
+        for i, launch in enumerate(launches, 1)
     ]
+
+
+def _ptx_name(index: int, launch: Launch) -> str:
+    return f"{launch.kernel}-{index:02d}.ptx"
 
 
 def print_table(rows: list[Compiled]) -> None:
@@ -261,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/sm90_compile.json")
     )
+    parser.add_argument(
+        "--ptx",
+        type=Path,
+        help="also write each kernel's PTX, as DIR/BATCHxCONTEXT/KERNEL-NN.ptx (NN: its place)",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print(
@@ -272,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         row
         for batch in args.batches
         for context in args.contexts
-        for row in compile_layer(batch, context, args.moe)
+        for row in compile_layer(
+            batch, context, args.moe, args.ptx and args.ptx / f"{batch}x{context}"
+        )
     ]
     print_table(rows)
     report = {

@@ -66,8 +66,8 @@ class AttentionBlocks:
     absorb_warps: int = 4
     combine_warps: int = 4
     uv_warps: int = 4
-    # the split kernel as built before the twentieth session, every tile masked (measurement
-    # only: `mla_moe_device_check.py --sweep-small-kernels` compares it with the plan)
+    # the split kernel's loads as built before the twentieth session, masked per token
+    # (measurement only: `mla_moe_device_check.py --sweep-small-kernels` compares it)
     mask_every_tile: bool = False
 
 
@@ -275,47 +275,6 @@ def q_absorb(
 
 
 @triton.jit
-def _attend_tile(
-    q_latent,
-    q_rope,
-    token_at,  # (BLOCK_T, 1) pointers to the tile's cached tokens
-    t_mask,  # (BLOCK_T,) which of the tile's tokens lie inside the split; read if MASKED
-    ls,
-    rs,
-    l_mask,
-    r_mask,
-    L,
-    scale_log2,
-    running_max,
-    running_sum,
-    acc,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """One tile of cached tokens into the split's online softmax. MASKED: some of its tokens
-    lie past the split's end (loaded as 0, scored -inf)."""
-    load_l = l_mask[None, :]
-    load_r = r_mask[None, :]
-    if MASKED:
-        load_l = t_mask[:, None] & load_l
-        load_r = t_mask[:, None] & load_r
-    k_latent = tl.load(token_at + ls[None, :], mask=load_l, other=0.0)
-    k_rope = tl.load(token_at + L + rs[None, :], mask=load_r, other=0.0)
-    scores = mma(q_latent, tl.trans(k_latent), tl.zeros((BLOCK_H, BLOCK_T), tl.float32), DOT_F32)
-    scores = mma(q_rope, tl.trans(k_rope), scores, DOT_F32) * scale_log2  # (BLOCK_H, BLOCK_T)
-    if MASKED:
-        scores = tl.where(t_mask[None, :], scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    rescale = tl.exp2(running_max - new_max)
-    probs = tl.exp2(scores - new_max[:, None])
-    running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-    acc = mma(round_bf16(probs), k_latent, acc * rescale[:, None], DOT_F32)
-    return new_max, running_sum, acc
-
-
-@triton.jit
 def _mla_split_kernel(
     q_lat_ptr,  # (B, H, L + R) bf16
     cache_ptr,  # (B, T, L + R) bf16
@@ -356,35 +315,36 @@ def _mla_split_kernel(
     running_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
-    # Whole tiles load without a token mask. The mask used to cover every tile, and where the
-    # context is not a multiple of 16 (Triton specializes T when it is) the compiler could no
-    # longer prove it constant over runs of 16 tokens: the tiles' loads took a predicate per
-    # token, and at batch 8 x 22759 this kernel read 2.8 TB/s against 4.2 at 8 x 32768 (the
-    # twentieth session's profile, docs/benchmarks.md). Only the last, partial tile is masked.
-    whole_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
-    tokens = tl.arange(0, BLOCK_T)
-    if MASK_EVERY_TILE:
-        for tile in range(start, end, BLOCK_T):
-            token_at = cache_row + (tile + tokens)[:, None] * width
-            running_max, running_sum, acc = _attend_tile(
-                q_latent, q_rope, token_at, tile + tokens < end, ls, rs, l_mask, r_mask, L,
-                scale_log2, running_max, running_sum, acc, BLOCK_H, BLOCK_T, DOT_F32,
-                MASKED=True,
-            )  # fmt: skip
-    else:
-        for tile in range(start, whole_end, BLOCK_T):
-            token_at = cache_row + (tile + tokens)[:, None] * width  # (BLOCK_T, 1)
-            running_max, running_sum, acc = _attend_tile(
-                q_latent, q_rope, token_at, tokens, ls, rs, l_mask, r_mask, L, scale_log2,
-                running_max, running_sum, acc, BLOCK_H, BLOCK_T, DOT_F32, MASKED=False,
-            )  # fmt: skip
-        if whole_end < end:
-            token_at = cache_row + (whole_end + tokens)[:, None] * width
-            running_max, running_sum, acc = _attend_tile(
-                q_latent, q_rope, token_at, whole_end + tokens < end, ls, rs, l_mask, r_mask,
-                L, scale_log2, running_max, running_sum, acc, BLOCK_H, BLOCK_T, DOT_F32,
-                MASKED=True,
-            )  # fmt: skip
+    for tile in range(start, end, BLOCK_T):
+        tokens = tile + tl.arange(0, BLOCK_T)
+        t_mask = tokens < end
+        if MASK_EVERY_TILE:  # the loads as built before the twentieth session
+            token_at = cache_row + tokens[:, None] * width  # (BLOCK_T, 1)
+            load_l = t_mask[:, None] & l_mask[None, :]
+            load_r = t_mask[:, None] & r_mask[None, :]
+        else:
+            # Tokens past the split's end read its last token again (scored -inf below), so
+            # the loads need no token mask. Masked, they took a predicate per token wherever
+            # the context is not a multiple of 16 (Triton specializes T when it is, and the
+            # mask is then provably constant over 16 tokens): at batch 8 x 22759 this kernel
+            # read 2.8 TB/s against 4.2 at 8 x 32768 (the twentieth session's profile,
+            # docs/benchmarks.md, "The gate_up's rounds ... off-grid contexts").
+            token_at = cache_row + tl.minimum(tokens, end - 1)[:, None] * width
+            load_l = l_mask[None, :]
+            load_r = r_mask[None, :]
+        k_latent = tl.load(token_at + ls[None, :], mask=load_l, other=0.0)
+        k_rope = tl.load(token_at + L + rs[None, :], mask=load_r, other=0.0)
+        scores = mma(
+            q_latent, tl.trans(k_latent), tl.zeros((BLOCK_H, BLOCK_T), tl.float32), DOT_F32
+        )
+        scores = mma(q_rope, tl.trans(k_rope), scores, DOT_F32) * scale_log2  # (BLOCK_H, BLOCK_T)
+        scores = tl.where(t_mask[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        acc = mma(round_bf16(probs), k_latent, acc * rescale[:, None], DOT_F32)
+        running_max = new_max
     stat_at = (row * n_splits + split) * H + heads
     tl.store(max_ptr + stat_at, running_max, mask=head_mask)
     tl.store(sum_ptr + stat_at, running_sum, mask=head_mask)

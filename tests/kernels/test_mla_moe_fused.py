@@ -519,6 +519,24 @@ def test_split_kv_attention_matches_the_latent_softmax(
     assert _relative(o_lat, exact) <= 2 * max(_relative(stock_o, exact), 2e-3)
 
 
+@pytest.mark.parametrize(("batch", "context"), [(1, 1), (3, 70), (8, 201), (2, 301)])
+def test_split_kv_attention_gives_the_masked_loads_bits(batch: int, context: int) -> None:
+    """The split kernel's loads read a split's last token again past its end instead of
+    masking per token (AttentionBlocks.mask_every_tile keeps the masked loads): same bits."""
+    c, gen = LAYER, torch.Generator().manual_seed(context)
+    q_lat = (torch.randn(batch, c.heads, c.latent_dim, generator=gen) * 2).to(BF16)
+    cache = torch.randn(batch, context, c.latent_dim, generator=gen).to(BF16)
+    kv_new = torch.randn(batch, c.latent_dim, generator=gen).to(BF16)
+    outs = []
+    for gpu_plan, masked in ((False, False), (False, True), (True, False), (True, True)):
+        plan = fused.layer_plan(LAYER, batch, context, on_gpu=gpu_plan, sm_count=132).attention
+        o_lat = torch.empty(batch, c.heads, c.kv_lora_rank, dtype=BF16)
+        plan = dataclasses.replace(plan, mask_every_tile=masked)
+        mla_attention(q_lat, cache, kv_new, o_lat, c.qk_head_dim**-0.5, plan)
+        outs.append(o_lat)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
+
+
 def test_w_uv_projects_each_head() -> None:
     c, gen = LAYER, torch.Generator().manual_seed(4)
     nope, v_dim, lora = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank

@@ -178,9 +178,9 @@ def test_programs_per_sm_takes_the_scarcest_resource() -> None:
 
 def test_the_split_kernels_loads_need_no_per_token_predicate_off_the_grid(tmp_path: Path) -> None:
     """At a context that is not a multiple of 16 Triton cannot prove a tile's token mask
-    constant over 16 tokens; the split kernel masks only its last, partial tile, so its PTX
-    there has about the comparisons of a context that is (the kernel that masked every tile
-    had three times as many: 129 against 43 at batch 8, Triton 3.9)."""
+    constant over 16 tokens. The split kernel's loads take no token mask (tokens past a split
+    read its last one again), so its PTX has about the comparisons of a context that is (the
+    kernel that masked its loads had 129 against 43 at batch 8 with Triton 3.9; now 21 and 19)."""
     ptx = tmp_path / "ptx"
     _run_tool(
         tmp_path / "r.json", "--batches", "8", "--contexts", "22759", "22768", "--ptx", str(ptx)
@@ -189,4 +189,4 @@ def test_the_split_kernels_loads_need_no_per_token_predicate_off_the_grid(tmp_pa
         context: (ptx / f"8x{context}" / "_mla_split_kernel-06.ptx").read_text().count("setp.lt")
         for context in (22759, 22768)
     }
-    assert 0 < compares[22768] <= compares[22759] < 1.5 * compares[22768] + 40, compares
+    assert 0 < compares[22768] <= compares[22759] <= compares[22768] + 8, compares

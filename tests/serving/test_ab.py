@@ -111,7 +111,10 @@ def test_gains_follow_the_schedule(ab: ABResult) -> None:
 
 def test_candidate_throughput_scales_with_concurrency(ab: ABResult) -> None:
     c1, c2 = (row.metrics["tokens_per_s"].candidate_median for row in ab.rows)
-    assert c1 == pytest.approx(CAND_TOKENS_PER_S_C1, rel=0.15)
+    # the fake server sleeps its latencies: a loaded CI machine can only make it slower, so
+    # the rate is bounded by the sleeps' above and, loosely, below (a busy machine once gave
+    # 0.79 of it); the scaling with concurrency is the point
+    assert 0.5 * CAND_TOKENS_PER_S_C1 < c1 <= 1.05 * CAND_TOKENS_PER_S_C1
     assert c2 == pytest.approx(2 * c1, rel=0.2)
 
 

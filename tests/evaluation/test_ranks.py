@@ -7,6 +7,7 @@ float64 reference attends over the whole cache on one process.
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from types import MappingProxyType
@@ -179,7 +180,8 @@ def test_a_multi_rank_case_reports_the_slowest_ranks_fraction_and_every_ranks_fl
     from harness.evaluation.timing import Timing
 
     run = Path(__file__).resolve().parents[2] / "docs/runs/2026-12-03-kimi-k2-h200-quick"
-    stored = json.loads((run / "evidence.json").read_text())["cases"][0]["performance"]
+    stored = json.loads(gzip.decompress((run / "evidence.json.gz").read_bytes()))
+    stored = stored["cases"][0]["performance"]
     root = PerformanceEvidence.model_validate(stored | {"integrity_flags": ["a rank-0 flag"]})
     peer = root.model_copy(update={"integrity_flags": ["wall clock 3x the events"]})
     fast = [100.0 + i % 3 for i in range(30)]

@@ -243,14 +243,13 @@ def compile_layer(
             fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS), batch
         )
     launches = layer_launches(batch, context, plan)
+    case_dir = ptx_dir and ptx_dir / f"{batch}x{context}"
     return [
-        compile_launch(launch, batch, context, ptx_dir and ptx_dir / _ptx_name(i, launch))
+        compile_launch(
+            launch, batch, context, case_dir and case_dir / f"{launch.kernel}-{i:02d}.ptx"
+        )
         for i, launch in enumerate(launches, 1)
     ]
-
-
-def _ptx_name(index: int, launch: Launch) -> str:
-    return f"{launch.kernel}-{index:02d}.ptx"
 
 
 def print_table(rows: list[Compiled]) -> None:
@@ -292,9 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         row
         for batch in args.batches
         for context in args.contexts
-        for row in compile_layer(
-            batch, context, args.moe, args.ptx and args.ptx / f"{batch}x{context}"
-        )
+        for row in compile_layer(batch, context, args.moe, args.ptx)
     ]
     print_table(rows)
     report = {

@@ -82,7 +82,7 @@ from harness.evaluation.cases import Case
 from harness.evaluation.profiling import profile_step
 from harness.evaluation.stats import median
 from harness.evaluation.timing import LayerSet, capture_graph, run_layers, timed_pairs
-from kernels.mla_moe_decode import cute_kernels, fused, stock, triton_common
+from kernels.mla_moe_decode import cute_gemv, cute_kernels, fused, stock, triton_common
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem, activated_local_experts
 from kernels.mla_moe_decode.triton_attention import (
@@ -195,6 +195,8 @@ def kernel_builders(skip: tuple[str, ...] = ()) -> list[Builder]:
         _check_w_uv,
         _check_route,
         _check_moe,
+        # CuTe DSL last (see above): the GEMVs in cute_gemv, then the input norm
+        *(partial(_check_gemv, name=name, language="CuTe DSL") for name in gemvs),
         _check_input_norm,
     ]
     return [b for b in builders if not any(name in _builder_name(b) for name in skip)]
@@ -264,16 +266,28 @@ def _check_post_norm(
 
 
 def _check_gemv(
-    c: LayerConfig, w: Tensors, batch: int, gen: torch.Generator, t: Target, name: str
+    c: LayerConfig,
+    w: Tensors,
+    batch: int,
+    gen: torch.Generator,
+    t: Target,
+    name: str,
+    language: str = "Triton",
 ) -> KernelCheck:
+    """One GEMV in the Triton kernel or (language "CuTe DSL", on the GPU) cute_gemv's, with the
+    same tiles: the two side by side say whether the plan's gemv_cute should be on."""
     weight = w[name]
     n, k = weight.shape
     blocks = gemv_blocks(batch, n, k, t.on_gpu, t.sm_count())
     x = _randn((batch, k), gen, t)
     result: Tensors = {}
+    kernel = splitk_gemv
+    if language == "CuTe DSL":  # its Triton stand-in in the CPU smoke run, as the input norm's
+        kernel = cute_gemv.splitk_gemv if t.on_gpu else splitk_gemv
+        language = language if t.on_gpu else "Triton (CPU stand-in)"
 
     def run(s: Tensors) -> None:
-        result["parts"] = splitk_gemv(x, s["weight"], blocks)
+        result["parts"] = kernel(x, s["weight"], blocks)
 
     def errors() -> tuple[float, float]:
         return _errors(result["parts"].sum(0), x.double() @ weight.double().T)
@@ -281,7 +295,7 @@ def _check_gemv(
     column_blocks = triton.cdiv(n, blocks.block_n)
     note = f"{n}x{k}: {column_blocks} column blocks x {blocks.splits} K splits"
     moved = weight.nbytes + x.nbytes + blocks.splits * batch * n * 4
-    return KernelCheck(f"GEMV {name}", "Triton", run, {"weight": weight}, moved, errors, note)
+    return KernelCheck(f"GEMV {name}", language, run, {"weight": weight}, moved, errors, note)
 
 
 def _rope_f64(x: torch.Tensor, positions: torch.Tensor, c: LayerConfig) -> torch.Tensor:
@@ -1263,6 +1277,8 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool]] = {
     "absorb 8 warps": ("absorb_warps", 8),  # q_absorb (plan: 4)
     # the split-KV attention with every tile masked, as before the twentieth session
     "attention masks every tile": ("mask_every_tile", True),
+    # the four GEMVs in CuTe DSL (cute_gemv, same tiles), new in the twenty-first session
+    "GEMVs in CuTe DSL": ("gemv_cute", True),
 }
 
 

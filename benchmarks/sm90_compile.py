@@ -12,12 +12,16 @@ arguments, constexprs, warps and stages, and reads the cubin's resources: regist
 Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compiler needs):
 
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
-        [--moe plan|run18] [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
+        [--moe plan|run18] [--gemv triton|cute] [--out pathgate-out/benchmarks/sm90_compile.json]
+        [--ptx DIR]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
 Triton (CI: 3.9), not necessarily the device's (3.6): a clean compile here is evidence, not
 proof, that the device compiles it; the shared memory and registers are this compiler's.
-Kernel 1 is CuTe DSL (compiled by CuTe DSL on the device, not here): it is listed, not compiled.
+Kernel 1 is CuTe DSL: it is listed, not compiled (tests/kernels/test_cute_compile.py compiles
+it). With `--gemv cute` the four GEMVs are the CuTe DSL kernel of cute_gemv (LayerPlan.gemv_cute):
+compiled by CuTe DSL for sm_90a (CUTE_DSL_ARCH, set here), assembled by ptxas for its registers
+and spills; its shared memory is the pipeline's tiles (dynamic, so not in the cubin).
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 # Triton 3.9 warns until it is told; fused multiply-adds on, as Triton 3.6 on the device has them
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when CuTe DSL is imported (--gemv cute)
 
 import torch
 import triton
@@ -48,7 +53,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.mla_moe_decode import fused
+from kernels.mla_moe_decode import cute_gemv, fused
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import _weight_dtype, weight_shapes
 
@@ -72,9 +77,10 @@ class Launch:
 
     kernel: str
     grid: tuple[int, ...]
-    fn: JITFunction | None = None  # None: not a Triton kernel (kernel 1, CuTe DSL)
+    fn: JITFunction | None = None  # None: not a Triton kernel (CuTe DSL)
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    cute_gemv: tuple[int, ...] = ()  # a CuTe DSL GEMV: cute_gemv.compile_kernel's arguments
 
 
 @dataclass
@@ -133,17 +139,25 @@ def recording(plan: fused.LayerPlan | None) -> Iterator[list[Launch]]:
     def record_cute(x: torch.Tensor, *_: Any) -> None:
         launches.append(Launch("cute_kernels.add_rmsnorm (CuTe DSL)", (x.shape[0],)))
 
+    def record_cute_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: Any) -> torch.Tensor:
+        n, k = weight.shape
+        key = (blocks.block_m, blocks.block_k, blocks.num_stages, n, k, blocks.k_per_split)
+        grid = (n // blocks.block_n, blocks.splits)
+        launches.append(Launch("cute_gemv.splitk_gemv (CuTe DSL)", grid, cute_gemv=key))
+        return _meta(blocks.splits, x.shape[0], n, dtype=torch.float32)
+
     def h200_plan(c: LayerConfig, x: torch.Tensor, context: int) -> fused.LayerPlan:
         return plan or fused.layer_plan(c, x.shape[0], context, True, H200_SMS)
 
-    saved = (JITFunction.run, fused.input_add_rmsnorm, fused._plan)
+    saved = (JITFunction.run, fused.input_add_rmsnorm, fused._plan, cute_gemv.splitk_gemv)
     JITFunction.run = record  # type: ignore[method-assign]
     fused.input_add_rmsnorm = record_cute  # type: ignore[assignment]
     fused._plan = h200_plan  # type: ignore[assignment]
+    cute_gemv.splitk_gemv = record_cute_gemv  # type: ignore[assignment]
     try:
         yield launches
     finally:
-        JITFunction.run, fused.input_add_rmsnorm, fused._plan = saved  # type: ignore[method-assign,assignment]
+        (JITFunction.run, fused.input_add_rmsnorm, fused._plan, cute_gemv.splitk_gemv) = saved  # type: ignore[method-assign,assignment]
 
 
 def layer_launches(batch: int, context: int, plan: fused.LayerPlan | None = None) -> list[Launch]:
@@ -161,8 +175,10 @@ def compile_launch(
     """Compile one launch for sm_90; with ptx_path, also write its PTX there (to compare the
     code two launches got, e.g. at a context that is a multiple of 16 and one that is not)."""
     result = Compiled(launch.kernel, batch, context, list(launch.grid))
+    if launch.cute_gemv:
+        return compile_cute_gemv(launch.cute_gemv, result, ptx_path)
     if launch.fn is None:
-        result.note = "CuTe DSL: compiled on the device, not here"
+        result.note = "CuTe DSL: compiled by tests/kernels/test_cute_compile.py, not here"
         return result
     start = time.perf_counter()
     try:
@@ -184,6 +200,50 @@ def compile_launch(
         result.shared_bytes, result.registers, result.num_warps
     )
     return result
+
+
+def compile_cute_gemv(
+    key: tuple[int, ...], result: Compiled, ptx_path: Path | None = None
+) -> Compiled:
+    """Compile a CuTe DSL GEMV launch for sm_90a, assemble its PTX with ptxas (Triton's) for
+    the registers and spills; its shared memory is its stages of (block_m + block_n) x block_k
+    bf16 tiles. CuTe DSL keeps the PTX it writes in a temporary folder (CUTE_DSL_DUMP_DIR)."""
+    block_m, block_k, stages, *_ = key
+    result.num_warps, result.num_stages = cute_gemv.WARPS, stages
+    names = ("block_m", "block_k", "stages", "n", "k", "k_per_split")
+    result.constexprs = dict(zip(names, key, strict=True))
+    start = time.perf_counter()
+    os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="sm90-compile-cute-"))
+    try:
+        ptx = cute_gemv.compile_kernel(*key, keep_ptx=True).__ptx__
+        cubin = _ptxas(ptx)
+    except Exception as error:  # every compiler failure is a finding to report
+        result.error = f"{type(error).__name__}: {error}".strip()[:2000]
+        return result
+    result.compile_s = round(time.perf_counter() - start, 2)
+    if ptx_path is not None:
+        ptx_path.parent.mkdir(parents=True, exist_ok=True)
+        ptx_path.write_text(ptx)
+    result.shared_bytes = (block_m + cute_gemv.WARPS * 16) * block_k * 2 * stages
+    result.registers, result.spill_bytes = cubin_resources(cubin)
+    result.programs_per_sm = programs_per_sm(
+        result.shared_bytes, result.registers, result.num_warps
+    )
+    return result
+
+
+def _ptxas(ptx: str) -> bytes:
+    tool = Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as folder:
+        source, cubin = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
+        source.write_text(ptx)
+        subprocess.run(
+            [str(tool), "-arch=sm_90a", str(source), "-o", str(cubin)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return cubin.read_bytes()
 
 
 def _source(
@@ -233,15 +293,19 @@ def programs_per_sm(shared_bytes: int, registers: int, warps: int) -> int:
 
 
 def compile_layer(
-    batch: int, context: int, moe: str = "plan", ptx_dir: Path | None = None
+    batch: int,
+    context: int,
+    moe: str = "plan",
+    ptx_dir: Path | None = None,
+    gemv: str = "triton",
 ) -> list[Compiled]:
-    plan = None
+    plan = fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS)
     if moe == "run18":
         from benchmarks.mla_moe_device_check import run18_moe_plan
 
-        plan = run18_moe_plan(
-            fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS), batch
-        )
+        plan = run18_moe_plan(plan, batch)
+    if gemv == "cute":
+        plan = replace(plan, gemv_cute=True)
     launches = layer_launches(batch, context, plan)
     case_dir = ptx_dir and ptx_dir / f"{batch}x{context}"
     return [
@@ -273,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
     parser.add_argument("--moe", choices=("plan", "run18"), default="plan")
     parser.add_argument(
+        "--gemv",
+        choices=("triton", "cute"),
+        default="triton",
+        help="the four GEMVs: the plan's Triton kernel or cute_gemv's (needs nvidia-cutlass-dsl)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/sm90_compile.json")
     )
     parser.add_argument(
@@ -291,12 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         row
         for batch in args.batches
         for context in args.contexts
-        for row in compile_layer(batch, context, args.moe, args.ptx)
+        for row in compile_layer(batch, context, args.moe, args.ptx, args.gemv)
     ]
     print_table(rows)
     report = {
         "target": "sm_90 (H200 plan, 132 SMs)",
         "moe": args.moe,
+        "gemv": args.gemv,
         "triton": triton.__version__,
         "torch": torch.__version__,
         "launches": [asdict(row) for row in rows],

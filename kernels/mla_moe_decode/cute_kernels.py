@@ -65,7 +65,7 @@ def add_rmsnorm(
     launcher(x, residual, weight, out, residual_out, eps)
 
 
-def _import_cute() -> tuple[Any, Any, Any, Any]:
+def import_cute() -> tuple[Any, Any, Any, Any]:
     try:
         import cuda.bindings.driver as cuda_driver
         import cutlass
@@ -82,7 +82,7 @@ def _import_cute() -> tuple[Any, Any, Any, Any]:
 def _build(hidden: int, threads: int | None = None) -> Callable[..., None]:
     """Define, compile and wrap the kernel for rows of `hidden` elements (`threads` per CTA:
     threads_for(hidden) unless a probe asks for another exact tiling)."""
-    cuda_driver, cutlass, cute, make_ptr = _import_cute()
+    cuda_driver, cutlass, cute, make_ptr = import_cute()
     threads = threads or threads_for(hidden)
     if hidden % (threads * VECTOR):
         raise ValueError(f"{threads} threads of {VECTOR}-wide vectors do not tile {hidden}")
@@ -177,7 +177,7 @@ def _build(hidden: int, threads: int | None = None) -> Callable[..., None]:
         *(pointer(16) for _ in range(5)),
         cutlass.Int32(1),
         f32(1e-6),
-        _current_stream(cuda_driver),
+        current_stream(cuda_driver),
     )
 
     def run(
@@ -193,12 +193,15 @@ def _build(hidden: int, threads: int | None = None) -> Callable[..., None]:
             *(pointer(t.data_ptr()) for t in tensors),
             cutlass.Int32(x.shape[0]),
             f32(eps),
-            _current_stream(cuda_driver),
+            current_stream(cuda_driver),
         )
 
     return run
 
 
-def _current_stream(cuda_driver: Any) -> Any:
-    """The current torch stream as a CUstream: under graph capture, the capturing stream."""
+def current_stream(cuda_driver: Any) -> Any:
+    """The current torch stream as a CUstream: under graph capture, the capturing stream. The
+    null stream where torch has no CUDA: a compile-only build (benchmarks/sm90_compile.py)."""
+    if not torch.cuda.is_available():
+        return cuda_driver.CUstream(0)
     return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)

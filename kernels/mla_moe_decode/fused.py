@@ -48,7 +48,7 @@ import triton
 
 from harness.evaluation.cases import Case
 from harness.evaluation.ranks import cp_group
-from kernels.mla_moe_decode import cute_kernels, stock
+from kernels.mla_moe_decode import cute_gemv, cute_kernels, stock
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.triton_attention import (
     AttentionBlocks,
@@ -218,6 +218,10 @@ class LayerPlan:
     norm_warps: int | None = None  # the post-attention add + RMSNorm; None: add_rmsnorm's rule
     route_warps: int = 4
     route_weights_in_loop: bool = False  # the routing kernel's first build (one sum per slot)
+    # the four GEMVs (kernels 2, 4, 9, 11) as the CuTe DSL kernel of cute_gemv, same tiles, on
+    # the GPU; the Triton kernel stands in on the CPU. Off until measured on the H200
+    # (`--sweep-small-kernels`, "GEMVs in CuTe DSL")
+    gemv_cute: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -395,11 +399,11 @@ def _attention_and_routing(
     # again in fp32, as the compiled stock path does. A buffer of its own, not residual_out,
     # which a caller may alias with `residual` (vLLM updates the residual in place).
     input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, unused_residual, eps)
-    qkv_a = splitk_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a)
+    qkv_a = dense_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a, plan)
     q_c = x.new_empty(batch, c.q_lora_rank)
     norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
     latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
-    q = splitk_gemv(q_c, w["q_b_proj"], plan.q_b)
+    q = dense_gemv(q_c, w["q_b_proj"], plan.q_b, plan)
     q_lat = x.new_empty(batch, c.heads, c.latent_dim)
     nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
     q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention)
@@ -412,18 +416,30 @@ def _attention_and_routing(
         mla_attention_cp(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, group)
     o = x.new_empty(batch, c.heads * v_dim)
     w_uv(o_lat, w["kv_b_proj"], o, nope, plan.attention)
-    attn = splitk_gemv(o, w["o_proj"], plan.o_proj)
+    attn = dense_gemv(o, w["o_proj"], plan.o_proj, plan)
     moe_in = torch.empty_like(x)
     residuals = (x, inputs["residual"])
     norm = w["post_attention_layernorm"]
     add_rmsnorm(attn, residuals, norm, out["residual_out"], moe_in, eps, plan.norm_warps)
     bias, scaling = w["e_score_correction_bias"], c.routed_scaling_factor
-    logits = splitk_gemv(moe_in, w["gate"], plan.router)
+    logits = dense_gemv(moe_in, w["gate"], plan.router, plan)
     ids, routing = route_experts(
         logits, bias, c.top_k, c.norm_topk_prob, scaling,
         plan.route_warps, plan.route_weights_in_loop,
     )  # fmt: skip
     return moe_in, ids, routing
+
+
+def dense_gemv(
+    x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks, plan: LayerPlan
+) -> torch.Tensor:
+    """Kernels 2, 4, 9 and 11: split-K partial sums of x @ weight.T, (splits, B, N) fp32. The
+    CuTe DSL kernel where the plan asks for it on the GPU; the Triton kernel otherwise, which
+    computes the same partial sums (the same tiles and K ranges; the MMAs may order a tile's
+    products differently, so the last bit of a partial sum may differ)."""
+    if plan.gemv_cute and on_gpu(x):  # a meta tensor too: sm90_compile.py records the call
+        return cute_gemv.splitk_gemv(x, weight, blocks)
+    return splitk_gemv(x, weight, blocks)
 
 
 def input_add_rmsnorm(

@@ -26,7 +26,7 @@ from harness.evaluation.correctness import OutputError, check_case, output_error
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.outcomes import Passed, reasons_of
 from harness.evaluation.plan import derive_seed
-from kernels.mla_moe_decode import fused, stock, triton_common, triton_moe
+from kernels.mla_moe_decode import cute_gemv, fused, stock, triton_common, triton_moe
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem
 from kernels.mla_moe_decode.triton_attention import latent_prep, mla_attention, q_absorb, w_uv
@@ -384,6 +384,45 @@ def test_splitk_gemv_partials_sum_to_the_product(rows: int, n: int, k: int) -> N
     parts = splitk_gemv(x, weight, blocks)
     expected = x.double() @ weight.double().T
     torch.testing.assert_close(parts.double().sum(0), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_cute_gemv_plan_runs_the_triton_gemv_on_the_cpu(monkeypatch) -> None:
+    """LayerPlan.gemv_cute picks cute_gemv on the GPU only: on the CPU the layer gives the
+    Triton GEMVs' bits, and the CuTe DSL kernel itself refuses CPU tensors rather than launch."""
+    weights, inputs = _setup(5, 40, seed=3)
+    expected = _outputs(fused.forward, weights, inputs)
+    plain = fused.layer_plan
+
+    def with_cute(*args: object) -> fused.LayerPlan:
+        return dataclasses.replace(plain(*args), gemv_cute=True)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused, "layer_plan", with_cute)
+    got = _outputs(fused.forward, weights, inputs)
+    assert all(torch.equal(got[k], expected[k]) for k in OUTPUTS)
+    x, weight = torch.zeros(5, 128, dtype=BF16), torch.zeros(64, 128, dtype=BF16)
+    with pytest.raises(ValueError, match="GPU only"):
+        cute_gemv.splitk_gemv(x, weight, gemv_blocks(5, 64, 128, on_gpu=True, sm_count=132))
+
+
+@pytest.mark.parametrize("batch", [1, 8, 37, 64])
+def test_the_cute_gemv_takes_every_h200_plan_of_the_real_shard(batch: int) -> None:
+    """The four projections' H200 tiles at every batch fit the CuTe DSL kernel (whole column
+    blocks, K ranges in whole steps), and its checks refuse what it cannot do."""
+    c = LayerConfig.from_model_config(dict(load_manifest_file(SCOPE).model.config))
+    plan = fused.layer_plan(c, batch, 1024, True, 132)
+    shapes = {
+        "qkv_a": (c.q_lora_rank + c.latent_dim, c.hidden),
+        "q_b": (c.heads * c.qk_head_dim, c.q_lora_rank),
+        "o_proj": (c.hidden, c.heads * c.v_head_dim),
+        "router": (c.experts_total, c.hidden),
+    }
+    for name, (n, k) in shapes.items():
+        assert cute_gemv.supported(batch, n, k, getattr(plan, name)) is None, name
+    blocks = plan.qkv_a
+    assert "rows" in (cute_gemv.supported(blocks.block_m + 1, 2112, 7168, blocks) or "")
+    assert "columns" in (cute_gemv.supported(batch, 2112 + 32, 7168, blocks) or "")
+    assert "steps" in (cute_gemv.supported(batch, 2112, 7168 + 32, blocks) or "")
+    assert "splits" in (cute_gemv.supported(batch, 2112, 7168 + blocks.k_per_split, blocks) or "")
 
 
 # One rounding of an fp32 result is at most half a bf16 spacing from the exact value (the
@@ -807,6 +846,57 @@ def test_cute_add_rmsnorm_rounds_once_on_the_gpu(batch: int) -> None:
     summed = (x * 3).double() + residual.double()
     assert _bf16_ulps(residual_out, summed) <= ONE_ROUNDING
     assert _bf16_ulps(out, stock._rms_norm(summed, weight, 1e-6)) <= ONE_ROUNDING
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 5, 16, 37, 64])
+def test_cute_gemv_partials_match_the_triton_kernels_on_the_gpu(batch: int) -> None:
+    """cute_gemv against the Triton GEMV with the same H200 tiles, on each projection of the
+    real shard: the same (splits, B, N) partial sums up to the order of the MMAs' products, and
+    their sum is the product (float64) to fp32 accuracy. Rows past the batch stay unwritten."""
+    c = LayerConfig.from_model_config(dict(load_manifest_file(SCOPE).model.config))
+    plan = fused.layer_plan(
+        c, batch, 1024, True, torch.cuda.get_device_properties(0).multi_processor_count
+    )
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    shapes = {
+        "qkv_a": (c.q_lora_rank + c.latent_dim, c.hidden),
+        "q_b": (c.heads * c.qk_head_dim, c.q_lora_rank),
+        "o_proj": (c.hidden, c.heads * c.v_head_dim),
+        "router": (c.experts_total, c.hidden),
+    }
+    for name, (n, k) in shapes.items():
+        blocks = getattr(plan, name)
+        x = torch.randn(batch, k, generator=gen, device="cuda").to(BF16)
+        weight = (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).to(BF16)
+        cute_parts = cute_gemv.splitk_gemv(x, weight, blocks)
+        triton_parts = splitk_gemv(x, weight, blocks)
+        assert cute_parts.shape == triton_parts.shape == (blocks.splits, batch, n), name
+        torch.testing.assert_close(cute_parts, triton_parts, rtol=1e-5, atol=1e-5, msg=name)
+        expected = x.double() @ weight.double().T
+        assert _relative(cute_parts.double().sum(0), expected) < 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("batch", "context"), [(1, 8192), (8, 5000), (64, 1024)])
+def test_real_shard_with_cute_gemvs_passes_the_harness_check_on_the_gpu(
+    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layer with LayerPlan.gemv_cute on (the four GEMVs in CuTe DSL) through the same
+    check as the plan's layer above."""
+    plain = fused.layer_plan
+
+    def with_cute(*args: object) -> fused.LayerPlan:
+        return dataclasses.replace(plain(*args), gemv_cute=True)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused, "layer_plan", with_cute)
+    manifest = load_manifest_file(SCOPE)
+    config: dict[str, object] = dict(manifest.model.config)
+    path = LoadedPath(Problem(config), stock.forward_compiled, fused.forward, fused.supports)
+    _assert_passes_the_harness_check(
+        path, _case(batch, context, gpu=fused.GPU_KIND, config=config), torch.device("cuda")
+    )
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu

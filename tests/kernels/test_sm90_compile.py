@@ -119,6 +119,25 @@ def test_run_18s_moe_plan_compiles_for_sm90(tmp_path: Path) -> None:
         assert down["programs_per_sm"] >= 1
 
 
+def test_the_cute_gemvs_compile_for_sm90a_in_place_of_the_triton_ones(tmp_path: Path) -> None:
+    """--gemv cute: kernels 2, 4, 9 and 11 are cute_gemv's CuTe DSL kernel (LayerPlan.gemv_cute),
+    compiled by CuTe DSL and assembled by ptxas: the plan's grids, no spills, and as many
+    programs per SM as the grids need (at most 2 per SM below batch 16, 3 above)."""
+    pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
+    report = _run_tool(
+        tmp_path / "cute.json", "--batches", "8", "64", "--contexts", "1024", "--gemv", "cute"
+    )
+    cute = "cute_gemv.splitk_gemv (CuTe DSL)"
+    for case, launches in _by_case(report).items():
+        kernels = [launch["kernel"] for launch in launches]
+        gemv_places = [i for i, kernel in enumerate(LAYER_ITEMS) if kernel == "_splitk_gemv_kernel"]
+        assert [kernels[i] for i in gemv_places] == [cute] * 4, case
+        for launch in (launches[i] for i in gemv_places):
+            assert launch["error"] == "" and launch["spill_bytes"] == 0, (case, launch)
+            assert launch["registers"] > 0
+            assert launch["programs_per_sm"] * 132 >= launch["grid"][0] * launch["grid"][1]
+
+
 BAD_KERNEL = """
 import json, sys
 from dataclasses import asdict

@@ -1291,12 +1291,18 @@ def with_plan_value(plan: fused.LayerPlan, field_name: str, value: int | bool) -
 
 
 def _compare_small_kernels(
-    problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
+    problem: Problem,
+    weights: list[Tensors],
+    case: Case,
+    row: PdlRow,
+    t: Target,
+    only: tuple[str, ...] = (),
 ) -> None:
-    """The plan ("off") and each SMALL_KERNEL_VARIANTS change."""
+    """The plan ("off") and each SMALL_KERNEL_VARIANTS change (those named in `only`, if any)."""
     changes = {
         name: partial(with_plan_value, field_name=field_name, value=value)
         for name, (field_name, value) in SMALL_KERNEL_VARIANTS.items()
+        if not only or name in only
     }
     _compare_plans(problem, weights, case, row, t, changes)
 
@@ -1595,11 +1601,11 @@ def main() -> None:
         compare = (
             _compare_pdl_modes
             if args.sweep_pdl
-            else _compare_small_kernels
+            else partial(_compare_small_kernels, only=tuple(args.variants))
             if args.sweep_small_kernels
             else _compare_moe_plans
         )
-        print(f"== {compare.__name__}", flush=True)
+        print(f"== {getattr(compare, 'func', compare).__name__}", flush=True)
         cases = [(b, c) for b in args.batches or batches for c in contexts]
         pdl_rows = _each_case(
             problem, cases, t, PdlRow, compare, lambda row: print(asdict(row), flush=True)
@@ -1685,7 +1691,7 @@ def _write(path: Path, result: dict[str, object]) -> None:
     path.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def _parse_args() -> argparse.Namespace:
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="batch 1, 4 and 64, context 8192")
     parser.add_argument("--only-kernels", action="store_true", help="part 1 only")
@@ -1751,6 +1757,14 @@ def _parse_args() -> argparse.Namespace:
         "changed, each change against the plan (as --sweep-pdl compares)",
     )
     parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[],
+        choices=list(SMALL_KERNEL_VARIANTS),
+        metavar="NAME",
+        help="with --sweep-small-kernels: only these SMALL_KERNEL_VARIANTS (default: all)",
+    )
+    parser.add_argument(
         "--sweep-moe-plan",
         action="store_true",
         help="instead of parts 1 and 2: the fused layer with each MOE_PLAN_VARIANTS change of "
@@ -1769,7 +1783,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/mla_moe_device_check.json")
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.small and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (an H200: the fused path's guard accepts no other)")
     return args

@@ -18,10 +18,15 @@ logits, the same routing rule), in 14 kernels per layer where the stock path run
     13  experts gate_up + SiLU*mul, active + shared experts   Triton     triton_moe
     14  experts down + routing weights + shared expert sum    Triton     triton_moe
 
+The four GEMVs (2, 4, 9, 11) also exist in CuTe DSL (cute_gemv: the same tiles and partial
+sums on mma.sync), which the plan takes on the GPU when LayerPlan.gemv_cute is on; it is off
+until the H200 has measured it against the Triton kernel.
+
 Every weight byte is read once (the experts only where some token chose them, decided on the
-device from the routing table), nothing synchronizes with the host, and no kernel uses atomics:
-two runs give the same bits. Split-K partial sums are added, in order, by the kernel that
-consumes them.
+device from the routing table), nothing synchronizes with the host, and no sum depends on the
+order in which programs finish (the MoE's split items count their arrival on atomic counters,
+but the last one adds every part in a fixed order): two runs give the same bits. Split-K
+partial sums are added, in order, by the kernel that consumes them.
 
 `supports` is the dispatch guard; `forward` re-checks the same scope on the tensors and runs
 `stock.forward_compiled` (the manifest's baseline) outside it, so out of scope the result is the

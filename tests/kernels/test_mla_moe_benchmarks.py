@@ -133,6 +133,20 @@ def test_small_kernel_sweep_times_each_change_against_the_plan(tmp_path: Path) -
     assert all(rows[0]["us"][v] > 0 and rows[0]["off_us"][v] > 0 for v in SMALL_KERNEL_VARIANTS)
 
 
+def test_small_kernel_sweep_takes_only_the_variants_named(monkeypatch) -> None:
+    """--variants NAME ...: the device's minutes go to the changes asked about; the plan stays
+    the baseline, and the GEMVs variant turns on exactly the plan's gemv_cute."""
+    compared: list[dict] = []
+    monkeypatch.setattr(device_check, "_compare_plans", lambda *args: compared.append(args[-1]))
+    only = ("GEMVs in CuTe DSL",)
+    device_check._compare_small_kernels(None, [], None, None, None, only=only)  # type: ignore[arg-type]
+    assert list(compared[0]) == list(only)
+    plan = fused.layer_plan(LayerConfig(), 8, 1024, True, 132)
+    assert compared[0]["GEMVs in CuTe DSL"](plan) == dataclasses.replace(plan, gemv_cute=True)
+    with pytest.raises(SystemExit):
+        device_check._parse_args(["--sweep-small-kernels", "--variants", "GEMVs in Cute"])
+
+
 def test_moe_plan_sweep_times_the_earlier_moe_plan_against_the_plan(tmp_path: Path) -> None:
     out = tmp_path / "moe_plan.json"
     args = ("--small", "--quick", "--sweep-moe-plan", "--batches", "3", "--out", str(out))

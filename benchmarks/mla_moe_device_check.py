@@ -1662,7 +1662,7 @@ def main() -> None:
         args.only_kernels = True
     else:
         print("== part 1: kernels", flush=True)
-        kernel_rows = part_kernels(problem, batches, t, tuple(args.skip))
+        kernel_rows = part_kernels(problem, args.batches or batches, t, tuple(args.skip))
     layer_rows: list[LayerRow] = []
     if not args.only_kernels:
         print("== part 2: the layer (fused, stock eager, stock compiled)", flush=True)
@@ -1734,9 +1734,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batches",
         type=int,
         nargs="+",
-        help="the batches of the sweeps and --profile-fused (on the GPU by default: attention "
-        "1 8; router and combine 1 8 64; profile 1 4 8; the MoE sweeps and the layer "
-        "comparisons the part-2 batches); the other runs ignore it",
+        help="the batches of part 1, the sweeps and --profile-fused (on the GPU by default: "
+        "attention 1 8; router and combine 1 8 64; profile 1 4 8; part 1, the MoE sweeps and "
+        "the layer comparisons the part-2 batches); part 2 ignores it",
     )
     parser.add_argument(
         "--contexts",

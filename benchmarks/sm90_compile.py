@@ -191,11 +191,19 @@ def compile_launch(
         result.error = f"{type(error).__name__}: {error}".strip()[:2000]
         return result
     result.compile_s = round(time.perf_counter() - start, 2)
+    shared = int(kernel.metadata.shared)
+    return _resources(result, kernel.asm["ptx"], kernel.asm["cubin"], shared, ptx_path)
+
+
+def _resources(
+    result: Compiled, ptx: str, cubin: bytes, shared_bytes: int, ptx_path: Path | None
+) -> Compiled:
+    """Fill in what the cubin says (registers, spills) and what fits an SM; keep the PTX."""
     if ptx_path is not None:
         ptx_path.parent.mkdir(parents=True, exist_ok=True)
-        ptx_path.write_text(kernel.asm["ptx"])
-    result.shared_bytes = int(kernel.metadata.shared)
-    result.registers, result.spill_bytes = cubin_resources(kernel.asm["cubin"])
+        ptx_path.write_text(ptx)
+    result.shared_bytes = shared_bytes
+    result.registers, result.spill_bytes = cubin_resources(cubin)
     result.programs_per_sm = programs_per_sm(
         result.shared_bytes, result.registers, result.num_warps
     )
@@ -221,15 +229,8 @@ def compile_cute_gemv(
         result.error = f"{type(error).__name__}: {error}".strip()[:2000]
         return result
     result.compile_s = round(time.perf_counter() - start, 2)
-    if ptx_path is not None:
-        ptx_path.parent.mkdir(parents=True, exist_ok=True)
-        ptx_path.write_text(ptx)
-    result.shared_bytes = (block_m + cute_gemv.WARPS * 16) * block_k * 2 * stages
-    result.registers, result.spill_bytes = cubin_resources(cubin)
-    result.programs_per_sm = programs_per_sm(
-        result.shared_bytes, result.registers, result.num_warps
-    )
-    return result
+    shared = (block_m + cute_gemv.WARPS * 16) * block_k * 2 * stages
+    return _resources(result, ptx, cubin, shared, ptx_path)
 
 
 def _ptxas(ptx: str) -> bytes:

@@ -237,17 +237,24 @@ def layer_plan(
     on_gpu: bool,
     sm_count: int,
 ) -> LayerPlan:
-    def gemv(n: int, k: int) -> GemvBlocks:
-        return gemv_blocks(batch, n, k, on_gpu, sm_count)
-
+    gemvs = {
+        name: gemv_blocks(batch, n, k, on_gpu, sm_count) for name, (n, k) in gemv_shapes(c).items()
+    }
     return LayerPlan(
-        qkv_a=gemv(c.q_lora_rank + c.latent_dim, c.hidden),
-        q_b=gemv(c.heads * c.qk_head_dim, c.q_lora_rank),
-        o_proj=gemv(c.hidden, c.heads * c.v_head_dim),
-        router=gemv(c.experts_total, c.hidden),
+        **gemvs,
         attention=_attention_blocks(c, batch, context, on_gpu, sm_count),
         moe=_moe_blocks(batch, on_gpu, sm_count),
     )
+
+
+def gemv_shapes(c: LayerConfig) -> dict[str, tuple[int, int]]:
+    """(N, K) of the layer's four projections (kernels 2, 4, 9, 11), by their LayerPlan field."""
+    return {
+        "qkv_a": (c.q_lora_rank + c.latent_dim, c.hidden),
+        "q_b": (c.heads * c.qk_head_dim, c.q_lora_rank),
+        "o_proj": (c.hidden, c.heads * c.v_head_dim),
+        "router": (c.experts_total, c.hidden),
+    }
 
 
 def _attention_blocks(

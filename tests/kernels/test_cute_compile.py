@@ -42,14 +42,8 @@ def test_the_input_norm_compiles_for_the_real_hidden_size() -> None:
 def test_the_gemv_compiles_to_tensor_core_mmas_for_every_projection(batch: int) -> None:
     c = LayerConfig.from_model_config(dict(load_manifest_file(SCOPE).model.config))
     plan = fused.layer_plan(c, batch, 1024, True, H200_SMS)
-    projections = (plan.qkv_a, plan.q_b, plan.o_proj, plan.router)
-    shapes = [
-        (c.q_lora_rank + c.latent_dim, c.hidden),
-        (c.heads * c.qk_head_dim, c.q_lora_rank),
-        (c.hidden, c.heads * c.v_head_dim),
-        (c.experts_total, c.hidden),
-    ]
-    for blocks, (n, k) in zip(projections, shapes, strict=True):
+    for name, (n, k) in fused.gemv_shapes(c).items():
+        blocks = getattr(plan, name)
         key = (blocks.block_m, blocks.block_k, blocks.num_stages, n, k, blocks.k_per_split)
         ptx = cute_gemv.compile_kernel(*key, keep_ptx=True).__ptx__
         assert ".target sm_90a" in ptx

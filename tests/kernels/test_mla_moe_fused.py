@@ -410,13 +410,7 @@ def test_the_cute_gemv_takes_every_h200_plan_of_the_real_shard(batch: int) -> No
     blocks, K ranges in whole steps), and its checks refuse what it cannot do."""
     c = LayerConfig.from_model_config(dict(load_manifest_file(SCOPE).model.config))
     plan = fused.layer_plan(c, batch, 1024, True, 132)
-    shapes = {
-        "qkv_a": (c.q_lora_rank + c.latent_dim, c.hidden),
-        "q_b": (c.heads * c.qk_head_dim, c.q_lora_rank),
-        "o_proj": (c.hidden, c.heads * c.v_head_dim),
-        "router": (c.experts_total, c.hidden),
-    }
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in fused.gemv_shapes(c).items():
         assert cute_gemv.supported(batch, n, k, getattr(plan, name)) is None, name
     blocks = plan.qkv_a
     assert "rows" in (cute_gemv.supported(blocks.block_m + 1, 2112, 7168, blocks) or "")
@@ -853,19 +847,13 @@ def test_cute_add_rmsnorm_rounds_once_on_the_gpu(batch: int) -> None:
 def test_cute_gemv_partials_match_the_triton_kernels_on_the_gpu(batch: int) -> None:
     """cute_gemv against the Triton GEMV with the same H200 tiles, on each projection of the
     real shard: the same (splits, B, N) partial sums up to the order of the MMAs' products, and
-    their sum is the product (float64) to fp32 accuracy. Rows past the batch stay unwritten."""
+    their sum is the product (float64) to fp32 accuracy."""
     c = LayerConfig.from_model_config(dict(load_manifest_file(SCOPE).model.config))
     plan = fused.layer_plan(
         c, batch, 1024, True, torch.cuda.get_device_properties(0).multi_processor_count
     )
     gen = torch.Generator(device="cuda").manual_seed(batch)
-    shapes = {
-        "qkv_a": (c.q_lora_rank + c.latent_dim, c.hidden),
-        "q_b": (c.heads * c.qk_head_dim, c.q_lora_rank),
-        "o_proj": (c.hidden, c.heads * c.v_head_dim),
-        "router": (c.experts_total, c.hidden),
-    }
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in fused.gemv_shapes(c).items():
         blocks = getattr(plan, name)
         x = torch.randn(batch, k, generator=gen, device="cuda").to(BF16)
         weight = (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).to(BF16)

@@ -14,10 +14,11 @@ the oldest (ldmatrix to registers, then the MMAs). Shared-memory tiles are K-maj
 atoms of 64 elements (128 bytes), XOR-swizzled so that the 8 row addresses of one ldmatrix fall
 in different bank groups.
 
-Rows of x past M are never copied: their shared-memory rows are zeroed once before the first
-copy, so they add nothing, move no memory, and are not stored. N, K and the K range of each
-split are whole tiles (the host checks; the real shard's shapes are); the last split may hold
-fewer tiles than the others (k_tiles is not always a multiple of the splits).
+Rows of x past M are never read: the copy's predicate zero-fills their shared-memory rows (and
+they are zeroed once before the first copy), so they add nothing and are not stored. N, K and
+the K range of each split are whole tiles (the host checks; the real shard's shapes are); the
+last split may hold fewer tiles than the others (k_tiles is not always a multiple of the
+splits).
 
 Compiled once per (tiles, N, K, K per split); the batch M is a runtime argument, so one
 compiled kernel serves every batch of one block_m. Launched with raw pointers on the current
@@ -27,7 +28,7 @@ lazy import with). On a machine without nvidia-cutlass-dsl the module imports an
 """
 
 # No `from __future__ import annotations`: the DSL evaluates the kernel's annotations against
-# the module globals, where cutlass (imported lazily, in _build) is not defined.
+# the module globals, where cutlass (imported lazily, cute_kernels.import_cute) is not defined.
 from collections.abc import Callable
 from typing import Any
 
@@ -198,8 +199,8 @@ def _define(
         t_sx.fill(0)
         cute.arch.sync_threads()
 
-        # Prologue: tiles 0 .. stages - 2 in flight, one commit group each (empty groups past
-        # the split's last tile keep the wait count below the same in every iteration).
+        # Prologue: tiles 0 .. stages - 2 in flight, one commit group each (an empty group past
+        # the split's last tile keeps the group count, and so the wait below, the same).
         for stage in cutlass.range_constexpr(stages - 1):
             if stage < tile_count:
                 tile = first_tile + stage

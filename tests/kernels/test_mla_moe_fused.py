@@ -77,6 +77,16 @@ def _bf16_ulps(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float(((value.double() - reference.double()).abs() / spacing).max())
 
 
+def _plan_with_gemv_cute(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """Every layer plan with LayerPlan.gemv_cute set (the four GEMVs in CuTe DSL on the GPU)."""
+    plain = fused.layer_plan
+
+    def plan(*args: object) -> fused.LayerPlan:
+        return dataclasses.replace(plain(*args), gemv_cute=on)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused, "layer_plan", plan)
+
+
 # The whole layer, judged the way the harness judges it.
 
 
@@ -391,12 +401,7 @@ def test_the_cute_gemv_plan_runs_the_triton_gemv_on_the_cpu(monkeypatch) -> None
     Triton GEMVs' bits, and the CuTe DSL kernel itself refuses CPU tensors rather than launch."""
     weights, inputs = _setup(5, 40, seed=3)
     expected = _outputs(fused.forward, weights, inputs)
-    plain = fused.layer_plan
-
-    def with_cute(*args: object) -> fused.LayerPlan:
-        return dataclasses.replace(plain(*args), gemv_cute=True)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(fused, "layer_plan", with_cute)
+    _plan_with_gemv_cute(monkeypatch, True)
     got = _outputs(fused.forward, weights, inputs)
     assert all(torch.equal(got[k], expected[k]) for k in OUTPUTS)
     x, weight = torch.zeros(5, 128, dtype=BF16), torch.zeros(64, 128, dtype=BF16)
@@ -872,12 +877,7 @@ def test_real_shard_with_cute_gemvs_passes_the_harness_check_on_the_gpu(
 ) -> None:
     """The layer with LayerPlan.gemv_cute on (the four GEMVs in CuTe DSL) through the same
     check as the plan's layer above."""
-    plain = fused.layer_plan
-
-    def with_cute(*args: object) -> fused.LayerPlan:
-        return dataclasses.replace(plain(*args), gemv_cute=True)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(fused, "layer_plan", with_cute)
+    _plan_with_gemv_cute(monkeypatch, True)
     manifest = load_manifest_file(SCOPE)
     config: dict[str, object] = dict(manifest.model.config)
     path = LoadedPath(Problem(config), stock.forward_compiled, fused.forward, fused.supports)
@@ -888,9 +888,14 @@ def test_real_shard_with_cute_gemvs_passes_the_harness_check_on_the_gpu(
 
 
 @pytest.mark.gpu
-def test_fused_layer_replays_from_a_cuda_graph_on_fresh_inputs() -> None:
+@pytest.mark.parametrize("gemv_cute", [False, True])
+def test_fused_layer_replays_from_a_cuda_graph_on_fresh_inputs(
+    gemv_cute: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Capturable: after two warm-up calls, one captured call replays on inputs rewritten in
-    place and gives exactly what an eager call gives on them (no host sync or cached state)."""
+    place and gives exactly what an eager call gives on them (no host sync or cached state);
+    also with the GEMVs in CuTe DSL (LayerPlan.gemv_cute)."""
+    _plan_with_gemv_cute(monkeypatch, gemv_cute)
     cuda = torch.device("cuda")
     problem, case = Problem({}), _case(8, 1024, gpu=fused.GPU_KIND, config={})
     weights = problem.make_weights(case, 1, cuda)

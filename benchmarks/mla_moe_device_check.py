@@ -1277,8 +1277,10 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool]] = {
     "absorb 8 warps": ("absorb_warps", 8),  # q_absorb (plan: 4)
     # the split-KV attention with every tile masked, as before the twentieth session
     "attention masks every tile": ("mask_every_tile", True),
-    # the four GEMVs in CuTe DSL (cute_gemv, same tiles), new in the twenty-first session
+    # new in the twenty-first session: the four GEMVs in CuTe DSL (cute_gemv, same tiles), and
+    # latent_prep folded into q_b's GEMV (13 kernels; not the same bits: q_c is not rounded)
     "GEMVs in CuTe DSL": ("gemv_cute", True),
+    "latent_prep folded into q_b": ("fold_latent_prep", True),
 }
 
 

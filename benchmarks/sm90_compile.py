@@ -12,8 +12,8 @@ arguments, constexprs, warps and stages, and reads the cubin's resources: regist
 Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compiler needs):
 
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
-        [--moe plan|run18] [--gemv triton|cute] [--out pathgate-out/benchmarks/sm90_compile.json]
-        [--ptx DIR]
+        [--moe plan|run18] [--gemv triton|cute] [--fold-latent-prep]
+        [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
 Triton (CI: 3.9), not necessarily the device's (3.6): a clean compile here is evidence, not
@@ -299,14 +299,14 @@ def compile_layer(
     moe: str = "plan",
     ptx_dir: Path | None = None,
     gemv: str = "triton",
+    fold_latent_prep: bool = False,
 ) -> list[Compiled]:
     plan = fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS)
     if moe == "run18":
         from benchmarks.mla_moe_device_check import run18_moe_plan
 
         plan = run18_moe_plan(plan, batch)
-    if gemv == "cute":
-        plan = replace(plan, gemv_cute=True)
+    plan = replace(plan, gemv_cute=gemv == "cute", fold_latent_prep=fold_latent_prep)
     launches = layer_launches(batch, context, plan)
     case_dir = ptx_dir and ptx_dir / f"{batch}x{context}"
     return [
@@ -344,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the four GEMVs: the plan's Triton kernel or cute_gemv's (needs nvidia-cutlass-dsl)",
     )
     parser.add_argument(
+        "--fold-latent-prep",
+        action="store_true",
+        help="kernels 3 and 4 as one launch (LayerPlan.fold_latent_prep): 13 kernels",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/sm90_compile.json")
     )
     parser.add_argument(
@@ -362,13 +367,16 @@ def main(argv: list[str] | None = None) -> int:
         row
         for batch in args.batches
         for context in args.contexts
-        for row in compile_layer(batch, context, args.moe, args.ptx, args.gemv)
+        for row in compile_layer(
+            batch, context, args.moe, args.ptx, args.gemv, args.fold_latent_prep
+        )
     ]
     print_table(rows)
     report = {
         "target": "sm_90 (H200 plan, 132 SMs)",
         "moe": args.moe,
         "gemv": args.gemv,
+        "fold_latent_prep": args.fold_latent_prep,
         "triton": triton.__version__,
         "torch": torch.__version__,
         "launches": [asdict(row) for row in rows],

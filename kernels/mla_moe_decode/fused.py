@@ -19,8 +19,9 @@ logits, the same routing rule), in 14 kernels per layer where the stock path run
     14  experts down + routing weights + shared expert sum    Triton     triton_moe
 
 The four GEMVs (2, 4, 9, 11) also exist in CuTe DSL (cute_gemv: the same tiles and partial
-sums on mma.sync), which the plan takes on the GPU when LayerPlan.gemv_cute is on; it is off
-until the H200 has measured it against the Triton kernel.
+sums on mma.sync), which the plan takes on the GPU when LayerPlan.gemv_cute is on; and kernels
+3 and 4 exist as one launch (triton_attention.q_b_folded, LayerPlan.fold_latent_prep: 13
+kernels). Both are off until the H200 has measured them against the plan's kernels.
 
 Every weight byte is read once (the experts only where some token chose them, decided on the
 device from the routing table), nothing synchronizes with the host, and no sum depends on the
@@ -61,6 +62,7 @@ from kernels.mla_moe_decode.triton_attention import (
     mla_attention,
     mla_attention_cp,
     q_absorb,
+    q_b_folded,
     w_uv,
 )
 from kernels.mla_moe_decode.triton_common import on_gpu
@@ -227,6 +229,10 @@ class LayerPlan:
     # the GPU; the Triton kernel stands in on the CPU. Off until measured on the H200
     # (`--sweep-small-kernels`, "GEMVs in CuTe DSL")
     gemv_cute: bool = False
+    # kernels 3 and 4 in one launch (triton_attention.q_b_folded: q_a_layernorm's scale applied
+    # by q_absorb), 13 kernels per layer. Off until measured on the H200
+    # (`--sweep-small-kernels`, "latent_prep folded into q_b")
+    fold_latent_prep: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -412,13 +418,19 @@ def _attention_and_routing(
     # which a caller may alias with `residual` (vLLM updates the residual in place).
     input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, unused_residual, eps)
     qkv_a = dense_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a, plan)
-    q_c = x.new_empty(batch, c.q_lora_rank)
     norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
-    latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
-    q = dense_gemv(q_c, w["q_b_proj"], plan.q_b, plan)
+    deferred = None
+    if plan.fold_latent_prep:
+        q, deferred = q_b_folded(
+            qkv_a, *norms, positions, turns, w["q_b_proj"], out["kv_new"], eps, plan.q_b
+        )
+    else:
+        q_c = x.new_empty(batch, c.q_lora_rank)
+        latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
+        q = dense_gemv(q_c, w["q_b_proj"], plan.q_b, plan)
     q_lat = x.new_empty(batch, c.heads, c.latent_dim)
     nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
-    q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention)
+    q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention, deferred)
     o_lat = x.new_empty(batch, c.heads, c.kv_lora_rank)
     scale = c.qk_head_dim**-0.5  # the stock softmax scale (YaRN's mscale left out, as there)
     group = cp_group()

@@ -43,6 +43,7 @@ from kernels.mla_moe_decode.triton_common import (
     sum_splits,
     wait_for_previous_kernel,
 )
+from kernels.mla_moe_decode.triton_gemv import GemvBlocks
 
 LOG2E = math.log2(math.e)
 
@@ -106,7 +107,33 @@ def _latent_prep_kernel(
     q_weight = tl.load(q_norm_ptr + qs, mask=qs < Q, other=0.0).to(tl.float32)
     q_c = rms_normalize(q_c, Q, eps, q_weight[None, :])
     tl.store(q_c_ptr + rows[:, None] * Q + qs[None, :], q_c, mask=q_mask)
+    _kv_new_rows(
+        part_ptr, kv_norm_ptr, positions_ptr, turns_ptr, kv_new_ptr, rows, N_SPLITS,
+        split_stride, B, Q, L, R, eps, BLOCK_L, BLOCK_HALF_R,
+    )  # fmt: skip
 
+
+@triton.jit
+def _kv_new_rows(
+    part_ptr,  # (splits, B, Q + L + R) fp32: fused_qkv_a_proj partial sums
+    kv_norm_ptr,
+    positions_ptr,
+    turns_ptr,
+    kv_new_ptr,  # (B, L + R) bf16 out
+    rows,  # (ROWS,) the tokens
+    N_SPLITS: tl.constexpr,
+    split_stride,
+    B,
+    Q,
+    L,
+    R,
+    eps,
+    BLOCK_L: tl.constexpr,
+    BLOCK_HALF_R: tl.constexpr,
+):
+    """kv_new of some tokens: [kv_a_layernorm(kv_c), rope(k_pe)] from the qkv_a partials."""
+    row_mask = (rows < B)[:, None]  # (ROWS, 1)
+    base = rows[:, None] * (Q + L + R)  # (ROWS, 1)
     out_row = kv_new_ptr + rows[:, None] * (L + R)  # (ROWS, 1)
     ls = tl.arange(0, BLOCK_L)
     l_mask = row_mask & (ls < L)[None, :]
@@ -167,6 +194,163 @@ def latent_prep(
     )
 
 
+# Pipeline stages of the folded q_b GEMV: a K step holds qkv_a's splits of q_a (8 x 16 x 64
+# fp32 at batch <= 16) besides the weight tile, so q_b's 4 stages took 120 KB of shared memory
+# and one program per SM (sm90_compile.py, Triton 3.9); 3 take 80 KB, two per SM.
+FOLDED_STAGES = 3
+
+
+# fused_qkv_a partials -> q_b partials and kv_new in one launch: latent_prep folded into q_b
+#
+# q_a_layernorm's scale is one number per token, so it commutes with q_b_proj:
+# W @ (q_a * rstd * g) = rstd * (W @ (q_a * g)). The GEMV's programs add the qkv_a splits of
+# their own K range of q_a, multiply by the norm weight g, round once (the MMA's bf16 operand,
+# where the unfolded path rounds q_c) and also sum q_a^2 over that range; q_absorb divides by
+# the rms when it adds q_b's splits. The kv half of latent_prep runs as extra programs of the
+# same launch. One dependent kernel fewer (LayerPlan.fold_latent_prep; off until measured).
+
+
+@dataclass(frozen=True)
+class DeferredNorm:
+    """q_b's partial sums were computed from q_a * weight, not yet divided by q_a's rms:
+    squares (splits, B) fp32, each K split's sum of q_a^2; width Q; the norm's eps."""
+
+    squares: torch.Tensor
+    width: int
+    eps: float
+
+
+@triton.jit
+def _q_b_folded_kernel(
+    part_ptr,  # (S_a, B, Q + L + R) fp32: fused_qkv_a_proj partial sums
+    q_norm_ptr,  # (Q,) bf16
+    kv_norm_ptr,  # (L,) bf16
+    positions_ptr,  # (B,) int64
+    turns_ptr,  # (R/2,) fp64
+    w_ptr,  # (N, Q) bf16: q_b_proj
+    out_ptr,  # (S, B, N) fp32 out: partial sums of (q_a * q_norm) @ W.T
+    squares_ptr,  # (S, B) fp32 out: each K split's sum of q_a^2
+    kv_new_ptr,  # (B, L + R) bf16 out
+    N_SPLITS: tl.constexpr,  # qkv_a's splits (sum_splits unrolls over them)
+    split_stride,
+    B,
+    N,
+    Q,
+    L,
+    R,
+    eps,
+    k_per_split,
+    ROWS: tl.constexpr,  # tokens per kv program
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_HALF_R: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    column_blocks = tl.cdiv(N, BLOCK_N)
+    if block >= column_blocks:  # the kv half of latent_prep: ROWS tokens per program
+        # (not `rows`: a name assigned in both branches must have one type for the compiler)
+        group = (block - column_blocks) * tl.num_programs(1) + split
+        tokens = group * ROWS + tl.arange(0, ROWS)
+        _kv_new_rows(
+            part_ptr, kv_norm_ptr, positions_ptr, turns_ptr, kv_new_ptr, tokens, N_SPLITS,
+            split_stride, B, Q, L, R, eps, BLOCK_L, BLOCK_HALF_R,
+        )  # fmt: skip
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        row_mask = rows < B
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        w_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * Q  # (BLOCK_N, 1)
+        k_start = split * k_per_split
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k_offset in range(0, k_per_split, BLOCK_K):
+            ks = k_start + k_offset + tl.arange(0, BLOCK_K)
+            k_mask = ks < Q
+            q_a = sum_splits(
+                part_ptr,
+                rows[:, None] * (Q + L + R) + ks[None, :],
+                row_mask[:, None] & k_mask[None, :],
+                N_SPLITS,
+                split_stride,
+            )  # (BLOCK_M, BLOCK_K) fp32: rows past B and columns past Q are 0
+            squares += tl.sum(q_a * q_a, axis=1)
+            weight = tl.load(q_norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            x = round_bf16(q_a * weight[None, :])
+            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = mma(x, tl.trans(w), acc, DOT_F32)
+        out = out_ptr + split * B * N + rows[:, None] * N + cols[None, :]
+        tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
+        if block == 0:
+            tl.store(squares_ptr + split * B + rows, squares, mask=row_mask)
+
+
+def q_b_folded(
+    parts: torch.Tensor,
+    q_norm: torch.Tensor,
+    kv_norm: torch.Tensor,
+    positions: torch.Tensor,
+    turns: torch.Tensor,
+    q_b_proj: torch.Tensor,
+    kv_new: torch.Tensor,
+    eps: float,
+    blocks: GemvBlocks,
+) -> tuple[torch.Tensor, DeferredNorm]:
+    """parts (S_a, B, Q+L+R) fp32 -> (q_b partial sums (S, B, N) fp32 of (q_a * q_norm) @ W.T,
+    the DeferredNorm q_absorb divides by), and kv_new (B, L+R) bf16 as latent_prep writes it.
+    The GEMV's tiles are q_b's plan's, with K steps cut so that a step's qkv_a partials (S_a
+    tiles of block_m x block_k fp32, loaded at once) stay about 64 values per thread."""
+    n_splits, batch, _ = parts.shape
+    n, q_rank = q_b_proj.shape
+    lora = kv_norm.shape[0]
+    rope = kv_new.shape[1] - lora
+    block_k = min(blocks.block_k, max(16, 1024 // blocks.block_m))
+    if blocks.k_per_split % block_k:
+        raise ValueError(f"q_b_folded: K per split {blocks.k_per_split} not in steps of {block_k}")
+    rows = rows_per_program(batch, on_gpu(parts))
+    out = torch.empty(blocks.splits, batch, n, device=parts.device, dtype=torch.float32)
+    squares = torch.empty(blocks.splits, batch, device=parts.device, dtype=torch.float32)
+    kv_blocks = triton.cdiv(triton.cdiv(batch, rows), blocks.splits)  # over every split
+    grid = (triton.cdiv(n, blocks.block_n) + kv_blocks, blocks.splits)
+    _q_b_folded_kernel[grid](
+        parts,
+        q_norm,
+        kv_norm,
+        positions,
+        turns,
+        q_b_proj,
+        out,
+        squares,
+        kv_new,
+        n_splits,
+        parts.stride(0),
+        batch,
+        n,
+        q_rank,
+        lora,
+        rope,
+        eps,
+        blocks.k_per_split,
+        ROWS=rows,
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=blocks.block_n,
+        BLOCK_K=block_k,
+        BLOCK_L=triton.next_power_of_2(lora),
+        BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
+        DOT_F32=not on_gpu(parts),
+        num_warps=blocks.num_warps,
+        num_stages=min(blocks.num_stages, FOLDED_STAGES),
+        **pdl_options(parts.device),
+    )
+    return out, DeferredNorm(squares, q_rank, eps)
+
+
 # q_b partial sums -> absorbed, roped query
 
 # Tokens per q_absorb program: the MMA's least. With the whole batch in one program, batch 64
@@ -196,6 +380,10 @@ def _q_absorb_kernel(
     BLOCK_HALF_R: tl.constexpr,
     DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
+    squares_ptr,  # DEFERRED_NORM: (splits, B) fp32, each q_b split's sum of q_a^2
+    Q,  # DEFERRED_NORM: q_a's width
+    eps,  # DEFERRED_NORM: q_a_layernorm's eps
+    DEFERRED_NORM: tl.constexpr,  # q_b's partials are of q_a * weight: divide by q_a's rms
 ):
     wait_for_previous_kernel(PDL)
     head = tl.program_id(0)
@@ -206,6 +394,11 @@ def _q_absorb_kernel(
     ns = tl.arange(0, BLOCK_NOPE)
     nope_mask = row_mask[:, None] & (ns < NOPE)[None, :]
     q_nope = sum_splits(part_ptr, q_row + ns[None, :], nope_mask, N_SPLITS, split_stride)
+    scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if DEFERRED_NORM:  # the folded latent_prep's rms (q_b_folded): splits added in order
+        mean_square = sum_splits(squares_ptr, rows, row_mask, N_SPLITS, B) / Q
+        scale = tl.rsqrt(mean_square + eps)
+        q_nope = q_nope * scale[:, None]
     q_nope = round_bf16(q_nope)  # (BLOCK_M, BLOCK_NOPE): q_b_proj's bf16 output
     ls = col_block * BLOCK_L + tl.arange(0, BLOCK_L)
     l_mask = ls < L
@@ -223,6 +416,8 @@ def _q_absorb_kernel(
         even_at = q_row + NOPE + 2 * pairs[None, :]
         even = sum_splits(part_ptr, even_at, pair_mask, N_SPLITS, split_stride)
         odd = sum_splits(part_ptr, even_at + 1, pair_mask, N_SPLITS, split_stride)
+        if DEFERRED_NORM:
+            even, odd = even * scale[:, None], odd * scale[:, None]
         positions = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.float64)
         freqs = tl.load(turns_ptr + pairs, mask=pairs < R // 2, other=0.0)
         even, odd = rotate_pairs(even, odd, positions[:, None] * freqs[None, :])
@@ -240,8 +435,10 @@ def q_absorb(
     nope: int,
     v_dim: int,
     blocks: AttentionBlocks,
+    deferred: DeferredNorm | None = None,
 ) -> None:
-    """parts (splits, B, H*(N+R)) fp32 -> q_lat (B, H, L+R) bf16."""
+    """parts (splits, B, H*(N+R)) fp32 -> q_lat (B, H, L+R) bf16. With `deferred` (from
+    q_b_folded) each token's q is divided by q_a's rms first."""
     n_splits, batch, _ = parts.shape
     _, heads, width = q_lat.shape
     lora = kv_b_proj.shape[1]
@@ -267,6 +464,10 @@ def q_absorb(
         BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
         DOT_F32=not on_gpu(parts),
         num_warps=blocks.absorb_warps,
+        squares_ptr=parts if deferred is None else deferred.squares,
+        Q=deferred.width if deferred else 1,
+        eps=deferred.eps if deferred else 0.0,
+        DEFERRED_NORM=deferred is not None,
         **pdl_options(parts.device),
     )
 

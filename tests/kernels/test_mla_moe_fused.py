@@ -29,7 +29,13 @@ from harness.evaluation.plan import derive_seed
 from kernels.mla_moe_decode import cute_gemv, fused, stock, triton_common, triton_moe
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem
-from kernels.mla_moe_decode.triton_attention import latent_prep, mla_attention, q_absorb, w_uv
+from kernels.mla_moe_decode.triton_attention import (
+    latent_prep,
+    mla_attention,
+    q_absorb,
+    q_b_folded,
+    w_uv,
+)
 from kernels.mla_moe_decode.triton_gemv import gemv_blocks, splitk_gemv
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, route
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm
@@ -77,12 +83,13 @@ def _bf16_ulps(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float(((value.double() - reference.double()).abs() / spacing).max())
 
 
-def _plan_with_gemv_cute(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
-    """Every layer plan with LayerPlan.gemv_cute set (the four GEMVs in CuTe DSL on the GPU)."""
+def _plan_with(monkeypatch: pytest.MonkeyPatch, **fields: object) -> None:
+    """Every layer plan with these LayerPlan fields set (gemv_cute: the four GEMVs in CuTe DSL
+    on the GPU; fold_latent_prep: kernels 3 and 4 in one launch)."""
     plain = fused.layer_plan
 
     def plan(*args: object) -> fused.LayerPlan:
-        return dataclasses.replace(plain(*args), gemv_cute=on)  # type: ignore[arg-type]
+        return dataclasses.replace(plain(*args), **fields)  # type: ignore[arg-type]
 
     monkeypatch.setattr(fused, "layer_plan", plan)
 
@@ -226,6 +233,16 @@ def test_fused_layer_with_the_down_as_items_passes_the_harness_correctness_check
         return dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, down_programs=5))
 
     monkeypatch.setattr(fused, "layer_plan", with_items)
+    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
+    _assert_passes_the_harness_check(path, _case(batch, context), CPU)
+
+
+@pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])
+def test_fused_layer_with_latent_prep_folded_passes_the_harness_correctness_check(
+    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LayerPlan.fold_latent_prep (q_b_folded + q_absorb's deferred norm) in the whole layer."""
+    _plan_with(monkeypatch, fold_latent_prep=True)
     path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
     _assert_passes_the_harness_check(path, _case(batch, context), CPU)
 
@@ -401,7 +418,7 @@ def test_the_cute_gemv_plan_runs_the_triton_gemv_on_the_cpu(monkeypatch) -> None
     Triton GEMVs' bits, and the CuTe DSL kernel itself refuses CPU tensors rather than launch."""
     weights, inputs = _setup(5, 40, seed=3)
     expected = _outputs(fused.forward, weights, inputs)
-    _plan_with_gemv_cute(monkeypatch, True)
+    _plan_with(monkeypatch, gemv_cute=True)
     got = _outputs(fused.forward, weights, inputs)
     assert all(torch.equal(got[k], expected[k]) for k in OUTPUTS)
     x, weight = torch.zeros(5, 128, dtype=BF16), torch.zeros(64, 128, dtype=BF16)
@@ -464,6 +481,39 @@ def test_latent_prep_norms_and_rotates_rounding_once() -> None:
     kv_c_expected = stock._rms_norm(kv_c, kv_norm, c.rms_norm_eps)
     assert _bf16_ulps(kv_new[:, :lora], kv_c_expected) <= ONE_ROUNDING
     assert _bf16_ulps(kv_new[:, lora:], _rope_f64(k_pe, positions, c.rope_theta)) <= ONE_ROUNDING
+
+
+@pytest.mark.parametrize("gpu_plan", [False, True])
+def test_q_b_folded_is_latent_prep_and_q_b_with_the_norm_deferred(gpu_plan: bool) -> None:
+    """One launch for kernels 3 and 4: kv_new bit for bit as latent_prep writes it; q_b's
+    partials of q_a * weight, which divided by q_a's rms (from the splits' sums of squares)
+    are q_b(q_c) to one bf16 rounding of the operand, as close as the two kernels get.
+    gpu_plan: the H200's tiles (one K split of several steps) rather than the CPU's."""
+    c, gen, batch = LAYER, torch.Generator().manual_seed(2), 7
+    width, n = c.q_lora_rank + c.latent_dim, c.heads * c.qk_head_dim
+    parts = torch.randn(2, batch, width, generator=gen)
+    q_norm = (1 + 0.1 * torch.randn(c.q_lora_rank, generator=gen)).to(BF16)
+    kv_norm = (1 + 0.1 * torch.randn(c.kv_lora_rank, generator=gen)).to(BF16)
+    w_q_b = (torch.randn(n, c.q_lora_rank, generator=gen) / math.sqrt(c.q_lora_rank)).to(BF16)
+    positions = torch.randint(0, 33000, (batch,), generator=gen)
+    turns = fused.rope_turns(CPU, c.qk_rope_head_dim, c.rope_theta)
+    blocks = gemv_blocks(batch, n, c.q_lora_rank, on_gpu=gpu_plan, sm_count=132)
+    eps = c.rms_norm_eps
+    q_c = torch.empty(batch, c.q_lora_rank, dtype=BF16)
+    kv_planned, kv_folded = (torch.empty(batch, c.latent_dim, dtype=BF16) for _ in "ab")
+    latent_prep(parts, q_norm, kv_norm, positions, turns, q_c, kv_planned, eps)
+    planned = splitk_gemv(q_c, w_q_b, blocks).double().sum(0)
+    got, deferred = q_b_folded(
+        parts, q_norm, kv_norm, positions, turns, w_q_b, kv_folded, eps, blocks
+    )
+    assert torch.equal(kv_folded, kv_planned)
+    q_a = parts.double().sum(0)[:, : c.q_lora_rank]
+    squares = deferred.squares.double().sum(0)
+    torch.testing.assert_close(squares, (q_a * q_a).sum(-1), rtol=1e-5, atol=0)
+    folded = got.double().sum(0) * torch.rsqrt(squares / deferred.width + eps)[:, None]
+    exact = stock._rms_norm(q_a, q_norm, eps) @ w_q_b.double().T
+    folded_error, planned_error = _relative(folded, exact), _relative(planned, exact)
+    assert folded_error < 4e-3 and folded_error < 3 * planned_error, (folded_error, planned_error)
 
 
 def _rope_f64(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -871,13 +921,15 @@ def test_cute_gemv_partials_match_the_triton_kernels_on_the_gpu(batch: int) -> N
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("change", ["gemv_cute", "fold_latent_prep"])
 @pytest.mark.parametrize(("batch", "context"), [(1, 8192), (8, 5000), (64, 1024)])
-def test_real_shard_with_cute_gemvs_passes_the_harness_check_on_the_gpu(
-    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
+def test_real_shard_with_a_plan_change_passes_the_harness_check_on_the_gpu(
+    change: str, batch: int, context: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The layer with LayerPlan.gemv_cute on (the four GEMVs in CuTe DSL) through the same
-    check as the plan's layer above."""
-    _plan_with_gemv_cute(monkeypatch, True)
+    """The layer with LayerPlan.gemv_cute on (the four GEMVs in CuTe DSL) or with
+    fold_latent_prep on (kernels 3 and 4 in one launch) through the same check as the plan's
+    layer above."""
+    _plan_with(monkeypatch, **{change: True})
     manifest = load_manifest_file(SCOPE)
     config: dict[str, object] = dict(manifest.model.config)
     path = LoadedPath(Problem(config), stock.forward_compiled, fused.forward, fused.supports)
@@ -888,14 +940,15 @@ def test_real_shard_with_cute_gemvs_passes_the_harness_check_on_the_gpu(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemv_cute", [False, True])
+@pytest.mark.parametrize("change", [None, "gemv_cute", "fold_latent_prep"])
 def test_fused_layer_replays_from_a_cuda_graph_on_fresh_inputs(
-    gemv_cute: bool, monkeypatch: pytest.MonkeyPatch
+    change: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Capturable: after two warm-up calls, one captured call replays on inputs rewritten in
     place and gives exactly what an eager call gives on them (no host sync or cached state);
-    also with the GEMVs in CuTe DSL (LayerPlan.gemv_cute)."""
-    _plan_with_gemv_cute(monkeypatch, gemv_cute)
+    also with the GEMVs in CuTe DSL and with latent_prep folded (LayerPlan changes)."""
+    if change is not None:
+        _plan_with(monkeypatch, **{change: True})
     cuda = torch.device("cuda")
     problem, case = Problem({}), _case(8, 1024, gpu=fused.GPU_KIND, config={})
     weights = problem.make_weights(case, 1, cuda)

@@ -138,6 +138,22 @@ def test_the_cute_gemvs_compile_for_sm90a_in_place_of_the_triton_ones(tmp_path: 
             assert launch["programs_per_sm"] * 132 >= launch["grid"][0] * launch["grid"][1]
 
 
+def test_the_folded_latent_prep_compiles_for_sm90_as_13_kernels(tmp_path: Path) -> None:
+    """--fold-latent-prep: kernels 3 and 4 as q_b_folded's one launch (its kv programs after
+    the column blocks), in one wave of the H200: its qkv_a partials per K step must not take
+    the shared memory of a second program per SM."""
+    report = _run_tool(
+        tmp_path / "fold.json", "--batches", "8", "64", "--contexts", "1024", "--fold-latent-prep"
+    )
+    folded = [*LAYER_ITEMS[:2], "_q_b_folded_kernel", *LAYER_ITEMS[4:]]
+    for case, launches in _by_case(report).items():
+        assert [launch["kernel"] for launch in launches] == folded, case
+        for launch in launches[1:]:
+            assert launch["error"] == "" and launch["spill_bytes"] == 0, (case, launch)
+        fold = launches[2]
+        assert fold["programs_per_sm"] * 132 >= fold["grid"][0] * fold["grid"][1], fold
+
+
 BAD_KERNEL = """
 import json, sys
 from dataclasses import asdict

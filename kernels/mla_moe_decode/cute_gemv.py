@@ -132,14 +132,13 @@ def _define(
 ) -> Callable[..., None]:
     """The kernel and its host-side launch function (a @cute.jit) for these tiles and shapes."""
     cuda_driver, cutlass, cute, _ = cute_kernels.import_cute()
-    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    bf16 = cutlass.BFloat16
     block_n = WARPS * 16
     threads = WARPS * 32
     splits = -(-k // k_per_split)
     tiles_per_split = k_per_split // block_k
     k_tiles = k // block_k
     num_k_blocks = block_k // MMA_SHAPE[2]
-    copy_cols = block_k // VECTOR  # threads across one row of a K tile in the gmem copy
 
     @cute.kernel
     def kernel(m_x: cute.Tensor, m_w: cute.Tensor, m_parts: cute.Tensor, rows: cutlass.Int32):
@@ -148,17 +147,9 @@ def _define(
         first_tile = split * tiles_per_split
         tile_count = cutlass.min(tiles_per_split, k_tiles - first_tile)
 
-        # Shared memory: (rows, block_k, stages), K-major, swizzled 8 x 64 atoms.
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
-        )
         smem = cutlass.utils.SmemAllocator()
-        s_x = smem.allocate_tensor(
-            bf16, cute.tile_to_shape(atom, (block_m, block_k, stages), (0, 1, 2)), 16
-        )
-        s_w = smem.allocate_tensor(
-            bf16, cute.tile_to_shape(atom, (block_n, block_k, stages), (0, 1, 2)), 16
-        )
+        s_x = smem.allocate_tensor(bf16, smem_layout(cute, block_m, block_k, stages), 16)
+        s_w = smem.allocate_tensor(bf16, smem_layout(cute, block_n, block_k, stages), 16)
 
         # Global tiles: (rows, block_k, k tiles) of x (all rows) and of this CTA's weight rows;
         # the identity tensor of x gives each copied row's index, for the rows < M predicate.
@@ -168,17 +159,7 @@ def _define(
             cute.make_identity_tensor(m_x.shape), tiler=(block_m, block_k), coord=(0, None)
         )
 
-        # gmem -> smem: 16-byte cp.async, a row of a K tile across copy_cols threads.
-        g2s_atom = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-            bf16,
-            num_bits_per_copy=VECTOR * 16,
-        )
-        g2s = cute.make_tiled_copy_tv(
-            g2s_atom,
-            cute.make_layout((threads // copy_cols, copy_cols), stride=(copy_cols, 1)),
-            cute.make_layout((1, VECTOR)),
-        )
+        g2s = gmem_to_smem_copy(cute, bf16, block_k)
         thr_g2s = g2s.get_slice(tidx)
         t_gx, t_sx = thr_g2s.partition_S(g_x), thr_g2s.partition_D(s_x)
         t_gw, t_sw = thr_g2s.partition_S(g_w), thr_g2s.partition_D(s_w)
@@ -210,17 +191,12 @@ def _define(
             cute.arch.cp_async_commit_group()
 
         # smem -> registers (ldmatrix x4) in the layouts the MMA wants.
-        mma = cute.make_tiled_mma(
-            cute.nvgpu.warp.MmaF16BF16Op(bf16, f32, MMA_SHAPE),
-            cute.make_layout((1, WARPS, 1)),
-            permutation_mnk=(MMA_SHAPE[0], block_n, MMA_SHAPE[2]),
-        )
+        mma = tiled_mma(cute, cutlass)
         thr_mma = mma.get_slice(tidx)
         r_x = mma.make_fragment_A(thr_mma.partition_A(s_x)[None, None, None, 0])
         r_w = mma.make_fragment_B(thr_mma.partition_B(s_w)[None, None, None, 0])
-        ldmatrix = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), bf16)
-        s2r_x = cute.make_tiled_copy_A(ldmatrix, mma).get_slice(tidx)
-        s2r_w = cute.make_tiled_copy_B(ldmatrix, mma).get_slice(tidx)
+        s2r_x = cute.make_tiled_copy_A(ldmatrix_atom(cute, bf16), mma).get_slice(tidx)
+        s2r_w = cute.make_tiled_copy_B(ldmatrix_atom(cute, bf16), mma).get_slice(tidx)
         t_sx_read, t_rx = s2r_x.partition_S(s_x), s2r_x.retile(r_x)
         t_sw_read, t_rw = s2r_w.partition_S(s_w), s2r_w.retile(r_w)
 
@@ -276,3 +252,48 @@ def _define(
         )
 
     return launch
+
+
+# The kernel's layouts, built while CuTe DSL traces it (tests/kernels/test_cute_compile.py
+# checks on the CPU that the copies and the MMA cover every tile element as they should).
+
+
+def smem_layout(cute: Any, rows: int, block_k: int, stages: int) -> Any:
+    """(rows, block_k, stages) bf16 in shared memory, K-major, in 8 x 64 atoms (128-byte rows)
+    XOR-swizzled so that the 8 row addresses of one ldmatrix fall in different bank groups."""
+    atom = cute.make_composed_layout(
+        cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+    )
+    return cute.tile_to_shape(atom, (rows, block_k, stages), (0, 1, 2))
+
+
+def gmem_to_smem_copy(cute: Any, bf16: Any, block_k: int) -> Any:
+    """16-byte cp.async (.cg, past L1) over the CTA's threads, one row of a K tile across
+    block_k / 8 of them."""
+    atom = cute.make_copy_atom(
+        cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+        bf16,
+        num_bits_per_copy=VECTOR * 16,
+    )
+    copy_cols = block_k // VECTOR
+    threads = WARPS * 32
+    return cute.make_tiled_copy_tv(
+        atom,
+        cute.make_layout((threads // copy_cols, copy_cols), stride=(copy_cols, 1)),
+        cute.make_layout((1, VECTOR)),
+    )
+
+
+def tiled_mma(cute: Any, cutlass: Any) -> Any:
+    """mma.sync m16n8k16 (bf16 in, fp32 out), WARPS warps side by side along N, 16 columns each
+    (two n8 atoms), repeated down M over the tile."""
+    return cute.make_tiled_mma(
+        cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, MMA_SHAPE),
+        cute.make_layout((1, WARPS, 1)),
+        permutation_mnk=(MMA_SHAPE[0], WARPS * 16, MMA_SHAPE[2]),
+    )
+
+
+def ldmatrix_atom(cute: Any, bf16: Any) -> Any:
+    """ldmatrix x4, not transposed: both operands are K-major in shared memory."""
+    return cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), bf16)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,58 @@ def test_the_gemv_compiles_to_tensor_core_mmas_for_every_projection(batch: int) 
         assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
         assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
         assert ".local" not in ptx  # no stack arrays: everything in registers or shared memory
+
+
+@pytest.mark.parametrize(("block_m", "block_k"), [(16, 128), (64, 64)])
+def test_the_gemv_indexes_its_partitions_as_the_kernel_assumes(block_m: int, block_k: int) -> None:
+    """The kernel slices its thread partitions by mode: [..., tile] of the global K tiles,
+    [..., stage] of the shared-memory stages, [..., k_block, stage] for ldmatrix. Here the same
+    builders (cute_gemv's) partition identity tensors for each of the CTA's threads while CuTe
+    DSL traces a probe, where the coordinates are static: each slice must hold exactly that
+    tile, stage or 16-deep K block, every weight element must be read once and every x
+    element once per warp, and the accumulators must hold every output element once."""
+    import cutlass
+    import cutlass.cute as cute
+
+    bf16, block_n, stages, tiles = cutlass.BFloat16, cute_gemv.WARPS * 16, 2, 2
+    counts: dict[str, Counter[tuple[int, ...]]] = defaultdict(Counter)
+
+    def coordinates(partition: object) -> list[tuple[int, ...]]:
+        return [tuple(int(v) for v in partition[i]) for i in range(cute.size(partition))]  # type: ignore[index]
+
+    @cute.jit
+    def probe():
+        copy = cute_gemv.gmem_to_smem_copy(cute, bf16, block_k)
+        mma = cute_gemv.tiled_mma(cute, cutlass)
+        ldmatrix = cute_gemv.ldmatrix_atom(cute, bf16)
+        x_global = cute.local_tile(
+            cute.make_identity_tensor((block_m, tiles * block_k)), (block_m, block_k), (0, None)
+        )
+        x_shared = cute.make_identity_tensor((block_m, block_k, stages))
+        w_shared = cute.make_identity_tensor((block_n, block_k, stages))
+        out_tile = cute.make_identity_tensor((block_m, block_n))
+        for thread in cutlass.range_constexpr(cute_gemv.WARPS * 32):
+            source = copy.get_slice(thread).partition_S(x_global)
+            target = copy.get_slice(thread).partition_D(x_shared)
+            x_reads = cute.make_tiled_copy_A(ldmatrix, mma).get_slice(thread).partition_S(x_shared)
+            w_reads = cute.make_tiled_copy_B(ldmatrix, mma).get_slice(thread).partition_S(w_shared)
+            for tile in cutlass.range_constexpr(tiles):
+                for _, k in coordinates(source[None, None, None, tile]):
+                    counts["x source"][(k // block_k == tile,)] += 1
+            for stage in cutlass.range_constexpr(stages):
+                for _, _, s in coordinates(target[None, None, None, stage]):
+                    counts["x target"][(s == stage,)] += 1
+                for k_block in cutlass.range_constexpr(block_k // 16):
+                    for reads, name in ((x_reads, "x read"), (w_reads, "w read")):
+                        for row, k, s in coordinates(reads[None, None, k_block, stage]):
+                            assert (k // 16, s) == (k_block, stage), (name, thread)
+                            counts[name][(row, k, s)] += 1
+            for row, col in coordinates(mma.get_slice(thread).partition_C(out_tile)):
+                counts["out"][(row, col)] += 1
+
+    cute.compile(probe)
+    assert set(counts["x source"]) == {(True,)} and set(counts["x target"]) == {(True,)}
+    assert counts["out"] == Counter({(r, c): 1 for r in range(block_m) for c in range(block_n)})
+    for name, rows, times in (("x read", block_m, cute_gemv.WARPS), ("w read", block_n, 1)):
+        cells = [(r, k, s) for r in range(rows) for k in range(block_k) for s in range(stages)]
+        assert counts[name] == Counter(dict.fromkeys(cells, times)), name

@@ -281,10 +281,10 @@ def _check_gemv(
     blocks = gemv_blocks(batch, n, k, t.on_gpu, t.sm_count())
     x = _randn((batch, k), gen, t)
     result: Tensors = {}
-    kernel = splitk_gemv
-    if language == "CuTe DSL":  # its Triton stand-in in the CPU smoke run, as the input norm's
-        kernel = cute_gemv.splitk_gemv if t.on_gpu else splitk_gemv
-        language = language if t.on_gpu else "Triton (CPU stand-in)"
+    cute = language == "CuTe DSL"
+    kernel = cute_gemv.splitk_gemv if cute and t.on_gpu else splitk_gemv
+    if cute and not t.on_gpu:  # its Triton stand-in in the CPU smoke run, as the input norm's
+        language = "Triton (CPU stand-in)"
 
     def run(s: Tensors) -> None:
         result["parts"] = kernel(x, s["weight"], blocks)

@@ -92,7 +92,8 @@ def compile_kernel(
     keep_ptx: bool = False,
 ) -> Any:
     """The compiled kernel for these tiles and shapes (CuTe DSL's executor; with keep_ptx its
-    `__ptx__` is the PTX, and CuTe DSL also writes it to the working directory). Compiles
+    `__ptx__` is the PTX, and CuTe DSL also writes it to CUTE_DSL_DUMP_DIR, by default the
+    working directory). Compiles
     without a GPU when CUTE_DSL_ARCH names the target (sm_90a for the H200)."""
     cuda_driver, cutlass, cute, _ = cute_kernels.import_cute()
     launch = _define(block_m, block_k, stages, n, k, k_per_split)
@@ -255,7 +256,8 @@ def _define(
 
 
 # The kernel's layouts, built while CuTe DSL traces it (tests/kernels/test_cute_compile.py
-# checks on the CPU that the copies and the MMA cover every tile element as they should).
+# traces them per thread on the CPU: the slices the kernel's loops take hold the tile, stage
+# and K block they assume, and the copies and the MMA cover every tile element).
 
 
 def smem_layout(cute: Any, rows: int, block_k: int, stages: int) -> Any:

@@ -49,9 +49,10 @@ class Source:
 def parse_manifest(body: str | dict[str, Any]) -> tuple[ScopeManifest, str]:
     """The validated manifest and its text; InvalidInput (422) lists every problem."""
     try:
-        if isinstance(body, str):
-            return load_manifest(body), body
-        return validate_manifest(body), yaml.safe_dump(body, sort_keys=False)
+        # An object goes through its YAML text, so it meets the same checks (node count, lone
+        # surrogates, numbers too long to read) as a manifest sent as text.
+        text = body if isinstance(body, str) else _yaml_text(body)
+        return load_manifest(text), text
     except ManifestError as exc:
         details = [
             {
@@ -69,6 +70,10 @@ def parse_manifest(body: str | dict[str, Any]) -> tuple[ScopeManifest, str]:
         loc = ["body", "manifest"]
         details = [{"loc": loc, "msg": "nested too deeply to parse", "line": None}]
         raise InvalidInput("invalid scope manifest", details) from None
+
+
+def _yaml_text(body: dict[str, Any]) -> str:
+    return yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
 
 
 def submit(

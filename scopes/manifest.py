@@ -231,13 +231,20 @@ MAX_NODES = 100_000
 def load_manifest(text: str) -> ScopeManifest:
     """Parse and validate manifest YAML (JSON is YAML too); raise ManifestError on any problem."""
     try:
+        text.encode("utf-8")
         root, data = _parse(text)
+    except UnicodeEncodeError as exc:
+        # a lone surrogate (JSON's "\ud800" decodes to one): no database or report can hold it
+        problem = f"not valid Unicode text (character {exc.start} is a lone surrogate)"
+        raise ManifestError([ManifestProblem("", problem)]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else None
         raise ManifestError([ManifestProblem("", f"not valid YAML: {exc}", line)]) from None
     except RecursionError:
         raise ManifestError([ManifestProblem("", "nested too deeply to be a manifest")]) from None
+    except ValueError as exc:  # an integer of thousands of digits: Python refuses to convert it
+        raise ManifestError([ManifestProblem("", f"a value that cannot be read: {exc}")]) from None
     return validate_manifest(data, root)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request
@@ -26,6 +25,7 @@ from harness.api.schemas import (
 from harness.config import get_settings
 from harness.errors import InvalidInput, NotFound
 from harness.evaluation.evidence import Verdict
+from harness.json_input import UnreadableJson, load_json
 from harness.reports.combined import combined_report, render_combined_html, render_combined_markdown
 from harness.serving.vllm_import import VllmResultError, parse_vllm_result
 from harness.store import repositories as repo
@@ -133,11 +133,9 @@ async def attach_serving_result(
 
 def _attach(raw: bytes, submission_id: int, name: str, token: ApiToken) -> ServingResultRead:
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"{name}: not JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidInput(f"{name}: JSON nested too deeply") from None
+        data = load_json(raw)
+    except UnreadableJson as exc:
+        raise InvalidInput(f"{name}: {exc}") from None
     try:
         imported = parse_vllm_result(data, name, hashlib.sha256(raw).hexdigest())
     except VllmResultError as exc:

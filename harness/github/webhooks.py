@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,6 +17,7 @@ from harness.config import Settings
 from harness.errors import InvalidInput, Unauthorized
 from harness.github import hooks
 from harness.github.events import ACTED_ON, PullRequestEvent, parse_pull_request
+from harness.json_input import UnreadableJson, load_json
 from harness.store import github as store
 
 SIGNATURE_PREFIX = "sha256="
@@ -80,9 +80,9 @@ def receive(
 
 def _json(body: bytes) -> dict[str, Any]:
     try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise InvalidInput("the body is not JSON") from None
+        payload = load_json(body)
+    except UnreadableJson as exc:
+        raise InvalidInput(f"the body: {exc}") from None
     if not isinstance(payload, dict):
         raise InvalidInput("the body is not a JSON object")
     return payload

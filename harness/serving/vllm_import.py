@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.json_input import UnreadableJson, load_json
 from harness.serving.jsonable import jsonable
 
 REQUIRED_TEXT = ("date", "backend", "model_id")
@@ -103,9 +104,9 @@ def import_vllm_result(path: Path) -> VllmBenchImport:
     except OSError as exc:
         raise VllmResultError(f"{path}: cannot read: {exc.strerror}") from None
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise VllmResultError(f"{path.name}: not JSON: {exc}") from None
+        data = load_json(raw)
+    except UnreadableJson as exc:
+        raise VllmResultError(f"{path.name}: {exc}") from None
     return parse_vllm_result(data, path.name, hashlib.sha256(raw).hexdigest())
 
 
@@ -154,17 +155,17 @@ class _Fields:
         value = self.data.get(key)
         if value is None and not required:
             return None
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        if value is not None and _is_number(value):
             return float(value)
-        raise self._fail(key, "a number")
+        raise self._fail(key, "a finite number")
 
     def count(self, key: str, required: bool = False) -> int | None:
         value = self.data.get(key)
         if value is None and not required:
             return None
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
             return value
-        raise self._fail(key, "a whole number >= 0")
+        raise self._fail(key, "a whole number >= 0 (below 2^63)")
 
     def rate(self) -> float | str | None:
         value = self.data.get("request_rate")
@@ -190,7 +191,14 @@ class _Fields:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite JSON number: Python's JSON reader also takes NaN, Infinity, 1e999 and integers
+    too large for a float, none of which a statistic can use."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _is_item(key: str, value: Any) -> bool:

@@ -123,6 +123,39 @@ def test_invalid_manifest_is_422_with_field_paths_and_stores_nothing(
     assert enqueued.sent == []
 
 
+def _many_claims() -> dict:
+    """Over 100000 nodes in under the 1 MB a body may have."""
+    return {**yaml.safe_load(RMSNORM), "claims": [{"metric": "speedup", "at_least": 1}] * 20_001}
+
+
+@pytest.mark.parametrize(
+    ("manifest", "words"),
+    [
+        (RMSNORM.replace("name: ", "name: \ud800", 1), "lone surrogate"),
+        ({**yaml.safe_load(RMSNORM), "name": "a\ud800"}, "invalid Unicode character"),
+        (RMSNORM.replace("max: 512", "max: " + "9" * 5000, 1), "Exceeds the limit"),
+        # an object meets the YAML text's node limit too (it once skipped it, and its job
+        # ended in an error that showed the worker's traceback)
+        (_many_claims(), "expands to over 100000 YAML nodes"),
+    ],
+    ids=["surrogate-in-text", "surrogate-in-object", "long-int", "too-many-nodes"],
+)
+def test_an_unreadable_manifest_is_422_and_stores_nothing(
+    client: TestClient, alice: dict[str, str], manifest: str | dict, words: str
+) -> None:
+    bodies = {
+        "/v1/scopes/validate": {"manifest": manifest},
+        "/v1/submissions": {"manifest": manifest, "source": {"kind": "in_tree"}},
+    }
+    for url, body in bodies.items():
+        # as a client sends it: json.dumps writes the surrogate as the escape "\\ud800"
+        json_headers = {**alice, "content-type": "application/json"}
+        response = client.post(url, content=json.dumps(body), headers=json_headers)
+        assert response.status_code == 422, response.text
+        assert words in response.text
+    assert client.get("/v1/submissions", headers=alice).json()["total"] == 0
+
+
 @pytest.mark.parametrize(
     ("body", "loc"),
     [
@@ -366,8 +399,11 @@ def test_a_vllm_result_attached_to_a_submission_becomes_evidence_rows(
         (b"[1, 2]", "expected one JSON object"),
         (b'{"date": "20261202-120000"}', "backend"),
         (b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
+        # valid JSON, but a lone surrogate: stored, it broke every later read of the results
+        (VLLM_RESULT.read_bytes().replace(b'"model_id": "', b'"model_id": "\\ud800'), "surrogate"),
+        (b'{"completed": ' + b"9" * 5000 + b"}", "Exceeds the limit"),
     ],
-    ids=["not-json", "a-list", "missing-fields", "nested-too-deeply"],
+    ids=["not-json", "a-list", "missing-fields", "nested-too-deeply", "surrogate", "long-int"],
 )
 def test_a_bad_vllm_result_is_422_and_stores_nothing(
     client: TestClient, alice: dict[str, str], content: bytes, expected: str

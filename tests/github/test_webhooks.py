@@ -132,3 +132,23 @@ def test_a_payload_that_is_not_a_pull_request_is_422(client: TestClient) -> None
         headers=delivery_headers(b"not json", "pull_request"),
     )
     assert response.status_code == 422
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        (b"[" * 100_000, "nested too deeply"),
+        (b'{"action": ' + b"9" * 5000 + b"}", "Exceeds the limit"),
+        (b'{"action": "\\ud800"}', "lone surrogate"),
+        (b"[1]", "not a JSON object"),
+    ],
+    ids=["nested", "long-int", "surrogate", "a-list"],
+)
+def test_a_signed_body_pathgate_cannot_read_is_422_and_stores_nothing(
+    client: TestClient, tasks: TaskRecorder, body: bytes, words: str
+) -> None:
+    headers = delivery_headers(body, "pull_request")
+    response = client.post("/v1/github/webhook", content=body, headers=headers)
+    assert response.status_code == 422, response.text
+    assert words in response.json()["detail"]
+    assert _count(WebhookDelivery) == 0 and tasks.sent == []

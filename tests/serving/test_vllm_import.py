@@ -69,11 +69,15 @@ def test_a_result_without_per_request_lists_has_no_derived_rows(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        ({"output_throughput": None}, "field 'output_throughput' is missing (a number)"),
-        ({"completed": "four"}, "field 'completed': expected a whole number >= 0, got \"four\""),
+        ({"output_throughput": None}, "field 'output_throughput' is missing (a finite number)"),
+        ({"completed": "four"}, "field 'completed': expected a whole number >= 0 (below 2^63)"),
+        ({"completed": 10**401}, "field 'completed': expected a whole number >= 0 (below 2^63)"),
+        ({"duration": float("nan")}, "field 'duration': expected a finite number, got NaN"),
+        ({"duration": 10**401}, "field 'duration': expected a finite number"),
+        ({"ttfts": [0.1, float("inf"), 0.1, 0.1]}, "field 'ttfts': expected a list of numbers"),
         ({"model_id": 7}, "field 'model_id': expected a string, got 7"),
-        ({"duration": True}, "field 'duration': expected a number, got true"),
-        ({"mean_ttft_ms": "fast"}, "field 'mean_ttft_ms': expected a number"),
+        ({"duration": True}, "field 'duration': expected a finite number, got true"),
+        ({"mean_ttft_ms": "fast"}, "field 'mean_ttft_ms': expected a finite number"),
         ({"itls": [0.1, 0.2, 0.3, 0.4]}, "field 'itls': expected a list of lists of numbers"),
         ({"ttfts": [0.05]}, "per-request lists differ in length: input_lens=4, output_lens=4"),
     ],
@@ -88,7 +92,13 @@ def test_a_malformed_field_is_named(tmp_path: Path, change: dict[str, Any], word
 
 @pytest.mark.parametrize(
     ("text", "words"),
-    [("{not json", "result.json: not JSON"), ("[1, 2]", "expected one JSON object (a result)")],
+    [
+        ("{not json", "result.json: not JSON"),
+        ("[1, 2]", "expected one JSON object (a result)"),
+        ("[" * 100_000, "result.json: JSON nested too deeply"),
+        ('{"completed": ' + "9" * 5000 + "}", "result.json: not JSON: Exceeds the limit"),
+        ('{"model_id": "\\ud800"}', "result.json: the JSON holds a lone surrogate"),
+    ],
 )
 def test_a_file_that_is_not_a_result_is_an_error(tmp_path: Path, text: str, words: str) -> None:
     path = tmp_path / "result.json"

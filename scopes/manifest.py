@@ -45,7 +45,9 @@ _SLUG = re.compile(r"^[a-z0-9][a-z0-9-]{1,62}[a-z0-9]$")
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No .inf or .nan anywhere: an infinite error_budget or a claim bound of .nan would make a
+    # check that can never fail.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PathSpec(Strict):

@@ -76,6 +76,14 @@ def test_shipped_manifests_are_valid(path: Path) -> None:
         ),
         ("workload.context_parallel", [1, 1], "workload.context_parallel", "distinct"),
         ("tolerance", {"error_budget": -1}, "tolerance.error_budget", "greater than 0"),
+        # a check that can never fail
+        ("tolerance", {"error_budget": float("inf")}, "tolerance.error_budget", "finite number"),
+        (
+            "claims",
+            [{"metric": "speedup", "at_least": float("nan")}],
+            "claims.0.at_least",
+            "finite ",
+        ),
     ],
 )
 def test_each_bad_field_gets_its_message(

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from harness.config import get_settings
 from harness.evaluation.environment import DeviceUnavailable
@@ -44,8 +45,15 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
-out_console = Console()
+# Markup off: paths, names and server messages print as given (a file named "a[/x].yaml" once
+# crashed rich's markup parser); colour goes through Text, never through text we did not write.
+# soft_wrap: a path broken over two lines cannot be copied.
+console = Console(stderr=True, markup=False, soft_wrap=True)
+out_console = Console(markup=False, soft_wrap=True)
+
+
+def _error(message: str) -> None:
+    console.print(Text.assemble(("error:", "red"), f" {message}"))
 
 
 class DeviceChoice(StrEnum):
@@ -82,17 +90,15 @@ def validate(
     out_dir = out or get_settings().output_dir / manifest.name
     checkpoint_path = out_dir / checkpoint.FILE_NAME
     if checkpoint_path.exists() and not resume:
-        console.print(
-            f"error: {checkpoint_path} holds an unfinished run: finish it with --resume, or "
-            "delete the file to start over",
-            markup=False,
-            soft_wrap=True,  # a path broken over two lines cannot be copied
+        _error(
+            f"{checkpoint_path} holds an unfinished run: finish it with --resume, or delete the "
+            "file to start over"
         )
         raise typer.Exit(EXIT_USAGE)
     try:
         earlier = checkpoint.read(checkpoint_path) if resume else None
     except checkpoint.ResumeRefused as exc:
-        console.print(f"error: {exc}", markup=False, soft_wrap=True)
+        _error(str(exc))
         raise typer.Exit(EXIT_USAGE) from None
     if earlier is not None and seed is None:
         seed = earlier.seed  # the plan is a function of the seed: the same cases
@@ -110,10 +116,10 @@ def validate(
         with _progress() as progress:
             evidence = evaluate(manifest, options, progress)
     except (DeviceUnavailable, checkpoint.ResumeRefused) as exc:
-        console.print(f"error: {exc}", markup=False, soft_wrap=True)
+        _error(str(exc))
         raise typer.Exit(EXIT_USAGE) from None
     except KeyboardInterrupt:
-        console.print(f"interrupted; {_saved(checkpoint_path)}", markup=False, soft_wrap=True)
+        console.print(f"interrupted; {_saved(checkpoint_path)}")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except Exception as exc:  # an internal error: say so, keep the traceback, lose no case
         log = out_dir / "error.log"
@@ -121,7 +127,7 @@ def validate(
         log.write_text(traceback.format_exc())
         message = f"error: the run stopped: {type(exc).__name__}: {exc}"[:500]
         saved = _saved(checkpoint_path)
-        console.print(f"{message} (traceback in {log}); {saved}", markup=False, soft_wrap=True)
+        console.print(f"{message} (traceback in {log}); {saved}")
         raise typer.Exit(EXIT_NO_VERDICT) from None
     _write(out_dir, evidence, render_markdown(evidence))
     checkpoint_path.unlink(missing_ok=True)  # the evidence holds every case now
@@ -180,7 +186,7 @@ def token_create(
     from harness.store import repositories as repo
 
     if not 1 <= len(name) <= TOKEN_NAME_MAX:
-        console.print(f"[red]error:[/red] --name takes 1 to {TOKEN_NAME_MAX} characters")
+        _error(f"--name takes 1 to {TOKEN_NAME_MAX} characters")
         raise typer.Exit(EXIT_USAGE)
     with _database_session() as session:
         token, plaintext = repo.create_token(session, name, role.value)
@@ -202,7 +208,10 @@ def token_list() -> None:
 
 @token_app.command("revoke")
 def token_revoke(
-    token_id: Annotated[int, typer.Argument(help="the id `token list` shows")],
+    # ids are the database's 32-bit integers: a larger one is no token, not a driver error
+    token_id: Annotated[
+        int, typer.Argument(help="the id `token list` shows", min=1, max=2**31 - 1)
+    ],
 ) -> None:
     """Revoke an API token: its requests and dashboard sessions are refused from now on."""
     from harness.store import repositories as repo
@@ -210,7 +219,7 @@ def token_revoke(
     with _database_session() as session:
         token = repo.revoke_token(session, token_id)
         if token is None:
-            console.print(f"[red]error:[/red] no token {token_id}")
+            _error(f"no token {token_id}")
             raise typer.Exit(EXIT_USAGE)
         repo.record_audit(session, "cli", "token.revoke", f"token:{token.id}", {})
     out_console.print(f"revoked token {token_id} ({token.name})")
@@ -228,11 +237,10 @@ def _database_session() -> Iterator[Session]:
         with session_scope() as session:
             yield session
     except (OperationalError, ProgrammingError) as exc:
-        console.print(
-            f"[red]error:[/red] the database at {get_settings().database_url} is not ready "
+        _error(
+            f"the database at {get_settings().database_url} is not ready "
             f"({type(exc.orig).__name__}): run `pathgate db upgrade` (or `pathgate serve`, "
-            "which does), and check that its server is up",
-            markup=True,
+            "which does), and check that its server is up"
         )
         raise typer.Exit(EXIT_USAGE) from None
 
@@ -274,7 +282,7 @@ def submit(
     from harness.client import SubmitError, submit_and_wait
 
     if (git_url is None) != (git_sha is None):  # else the in-tree code would run unasked
-        console.print("[red]error:[/red] --git-url and --git-sha go together", markup=True)
+        _error("--git-url and --git-sha go together")
         raise typer.Exit(EXIT_USAGE)
     _load_or_exit(scope)
     try:
@@ -282,7 +290,7 @@ def submit(
             server, token, scope.read_text(), git_url, git_sha, wait, timeout, out_console.print
         )
     except SubmitError as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=True)
+        _error(str(exc))
         raise typer.Exit(EXIT_USAGE) from None
     # errored or timed out: no verdict, exit 1 like a FAIL; waiting for hardware: 3
     codes = {**EXIT_CODES, "waiting_for_hardware": EXIT_CODES["INCONCLUSIVE"]}
@@ -293,9 +301,9 @@ def _load_or_exit(scope: Path) -> ScopeManifest:
     try:
         return load_manifest_file(scope)
     except ManifestError as exc:
-        console.print(f"[red]{scope}: invalid scope manifest[/red]")
+        console.print(Text(f"{scope}: invalid scope manifest", style="red"))
         for problem in exc.problems:
-            console.print(f"  {problem}", markup=False)
+            console.print(f"  {problem}")
         raise typer.Exit(EXIT_USAGE) from None
 
 
@@ -320,11 +328,12 @@ def _progress() -> Iterator[Callable[[int, int, str], None]]:
 
         def log(done: int, total: int, label: str) -> None:
             elapsed = time.perf_counter() - started
-            console.print(f"[{done}/{total}] {elapsed:.0f} s  {label}", markup=False)
+            console.print(f"[{done}/{total}] {elapsed:.0f} s  {label}")
 
         yield log
         return
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn())
+    description = TextColumn("{task.description}", style="bold")
+    columns = (description, BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("starting", total=None)
         yield lambda done, total, label: bar.update(
@@ -340,14 +349,14 @@ def _write(out_dir: Path, evidence: Evidence, markdown: str) -> None:
 
 def _print_summary(evidence: Evidence, out_dir: Path) -> None:
     style = VERDICT_STYLE[evidence.verdict]
-    out_console.print(f"[{style}]{evidence.verdict}[/{style}]: {evidence.scope}")
+    out_console.print(Text.assemble((evidence.verdict, style), f": {evidence.scope}"))
     for reason in evidence.verdict_reasons[:10]:
-        out_console.print(f"  - {reason}", markup=False)
+        out_console.print(f"  - {reason}")
     out_console.print(_cases_table(evidence))
     for note in evidence.notes + [f"ran nothing for: {n}" for n in evidence.not_run]:
-        out_console.print(f"note: {note}", markup=False)
+        out_console.print(f"note: {note}")
     out_console.print(f"evidence: {out_dir / 'evidence.json'}  report: {out_dir / 'report.md'}")
-    out_console.print(f"[{style}]{evidence.verdict}[/{style}]")
+    out_console.print(Text(evidence.verdict, style=style))
 
 
 def _cases_table(evidence: Evidence) -> Table:
@@ -400,7 +409,7 @@ def github_sync() -> None:
     try:
         result = resync(get_client(get_settings()))
     except GitHubError as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=True)
+        _error(str(exc))
         raise typer.Exit(EXIT_USAGE) from None
     out_console.print(f"posted {result.posted} status(es); {result.failed} still failing")
     raise typer.Exit(1 if result.failed else 0)

@@ -120,6 +120,21 @@ def test_the_reproduce_command_names_the_device_the_run_resolved(tmp_path: Path)
     )
 
 
+def test_a_path_that_looks_like_markup_prints_as_given(tmp_path: Path) -> None:
+    """rich read "[/x]" in a file name as a closing tag and crashed."""
+    folder = tmp_path / "br[/x]"
+    folder.mkdir(parents=True)
+    good = folder / "a.yaml"
+    good.write_text((SCOPES / "fused-add-rmsnorm-h200.yaml").read_text())
+    result = CliRunner().invoke(app, ["check", str(good)])
+    assert result.exit_code == 0, result.output
+    assert f"{good}: valid scope" in result.output
+    bad = folder / "bad[bold].yaml"
+    bad.write_text(good.read_text().replace("phase: decode", "phase: x"))
+    result = CliRunner().invoke(app, ["check", str(bad)])
+    assert result.exit_code == 2 and f"{bad}: invalid scope manifest" in result.output
+
+
 def test_schema_command_prints_json_schema() -> None:
     result = CliRunner().invoke(app, ["schema"])
     assert result.exit_code == 0

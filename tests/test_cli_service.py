@@ -58,6 +58,20 @@ def test_token_list_and_revoke(database_url: str) -> None:
     assert CliRunner().invoke(app, ["token", "list"]).output.count("revoked ") == 1
     missing = CliRunner().invoke(app, ["token", "revoke", "999999"])
     assert missing.exit_code == 2 and "no token 999999" in missing.output
+    # past the database's integers: a usage error, not the driver's overflow
+    too_large = CliRunner().invoke(app, ["token", "revoke", "99999999999"])
+    assert too_large.exit_code == 2 and "2147483647" in too_large.output
+
+
+def test_a_token_name_that_looks_like_markup_prints_as_given(database_url: str) -> None:
+    """rich read "[/bot]" as a closing tag and crashed after the revoke had been stored."""
+    created = CliRunner().invoke(
+        app, ["token", "create", "--role", "contributor", "--name", "ci[/bot]"]
+    )
+    token_id = created.output.split()[3]
+    revoked = CliRunner().invoke(app, ["token", "revoke", token_id])
+    assert revoked.exit_code == 0, revoked.output
+    assert f"revoked token {token_id} (ci[/bot])" in revoked.output
 
 
 def test_token_create_with_a_name_too_long_exits_2(database_url: str) -> None:

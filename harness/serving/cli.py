@@ -17,6 +17,7 @@ import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from harness.serving.ab import ABOptions, ABResult, run_ab, serve_params
 from harness.serving.vllm_import import VllmResultError, import_vllm_result
@@ -29,7 +30,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+console = Console(stderr=True, markup=False)  # as harness/cli.py's: text prints as given
 
 
 @app.command("ab")
@@ -49,7 +50,7 @@ def ab_command(
     compare the arms and judge the serving claims; writes OUT/serving.json."""
     manifest = _load_or_exit(scope)
     if manifest.engine is None:
-        console.print(f"[red]{scope}: the scope has no engine: section[/red]")
+        console.print(Text(f"{scope}: the scope has no engine: section", style="red"))
         raise typer.Exit(EXIT_USAGE)
     options = ABOptions(
         out_dir=out,
@@ -80,7 +81,7 @@ def import_vllm_command(
     try:
         imported = [import_vllm_result(path).to_json() for path in files]
     except VllmResultError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(Text(str(exc), style="red"))
         raise typer.Exit(EXIT_USAGE) from None
     if attach is not None:
         _attach(files, attach, server, token)
@@ -102,10 +103,11 @@ def _attach(files: list[Path], submission_id: int, server: str, token: str) -> N
                 url, params={"name": path.name}, content=path.read_bytes(), headers=headers
             )
         except httpx.HTTPError as exc:
-            console.print(f"[red]cannot reach {server}: {exc}[/red]")
+            console.print(Text(f"cannot reach {server}: {exc}", style="red"))
             raise typer.Exit(EXIT_USAGE) from None
         if response.status_code != 201:
-            console.print(f"[red]{path.name}: {response.status_code}: {response.text[:500]}[/red]")
+            failed = f"{path.name}: {response.status_code}: {response.text[:500]}"
+            console.print(Text(failed, style="red"))
             raise typer.Exit(EXIT_USAGE)
         console.print(f"{path.name}: attached to submission {submission_id}")
 
@@ -114,7 +116,8 @@ def _load_or_exit(scope: Path) -> ScopeManifest:
     try:
         return load_manifest_file(scope)
     except ManifestError as exc:
-        console.print(f"[red]{scope}: invalid manifest[/red]\n{exc}")
+        console.print(Text(f"{scope}: invalid manifest", style="red"))
+        console.print(str(exc))
         raise typer.Exit(EXIT_USAGE) from None
 
 
@@ -142,7 +145,7 @@ def exit_code(result: ABResult) -> int:
 
 def _print_result(result: ABResult) -> None:
     for failure in result.failures:
-        console.print(f"[red]failed: {failure}[/red]")
+        console.print(Text(f"failed: {failure}", style="red"))
     table = Table("row", "tokens/s base", "tokens/s cand", "gain [95% CI]", "failed")
     for row in result.rows:
         tps = row.metrics["tokens_per_s"]

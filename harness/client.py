@@ -38,9 +38,16 @@ def submit_and_wait(
     """Submit; return the verdict (PASS / FAIL / NEEDS_REVIEW / INCONCLUSIVE) or the final state
     when waiting, else "submitted"."""
     source = {"kind": "git", "url": git_url, "sha": git_sha} if git_url else {"kind": "in_tree"}
+    if not (token.isascii() and token.isprintable()):  # an HTTP header cannot carry it
+        raise SubmitError("--token is not a pathgate token (those are printable ASCII)")
     headers = {"Authorization": f"Bearer {token}"}
-    with httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=30) as client:
-        created = _call(client, "POST", "/v1/submissions", {"manifest": manifest, "source": source})
+    try:
+        client = httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=30)
+    except httpx.InvalidURL as exc:
+        raise SubmitError(f"--server {server!r} is not a URL: {exc}") from None
+    with client:
+        body = {"manifest": manifest, "source": source}
+        created = _call(client, "POST", "/v1/submissions", body, expect=("id", "state"))
         submission_id = created["id"]
         say(f"submission {submission_id}: {created['state']}")
         if not wait:
@@ -54,7 +61,8 @@ def _wait(
     deadline = time.monotonic() + timeout_s
     last_state = ""
     while time.monotonic() < deadline:
-        submission = _call(client, "GET", f"/v1/submissions/{submission_id}")
+        path = f"/v1/submissions/{submission_id}"
+        submission = _call(client, "GET", path, expect=("state", "verdict", "verdict_reasons"))
         if submission["state"] != last_state:
             last_state = submission["state"]
             say(f"submission {submission_id}: {last_state}")
@@ -66,14 +74,31 @@ def _wait(
     raise SubmitError(f"no verdict after {timeout_s:.0f} s (state: {last_state})")
 
 
-def _call(client: httpx.Client, method: str, path: str, body: dict | None = None) -> dict:
+def _call(
+    client: httpx.Client,
+    method: str,
+    path: str,
+    body: dict | None = None,
+    expect: tuple[str, ...] = (),
+) -> dict:
+    """The reply's JSON object; SubmitError when the server cannot be reached, refuses, or
+    answers with something other than a pathgate reply holding the `expect` fields."""
     try:
         response = client.request(method, path, json=body)
     except httpx.HTTPError as exc:
         raise SubmitError(f"cannot reach {client.base_url}: {exc}") from None
     if response.status_code >= 400:
         raise SubmitError(_describe(response))
-    return response.json()  # type: ignore[no-any-return]
+    try:
+        reply = response.json()
+    except ValueError:
+        reply = None
+    if not isinstance(reply, dict) or not all(key in reply for key in expect):
+        raise SubmitError(
+            f"{client.base_url} is not a pathgate service: {method} {path} answered "
+            f"HTTP {response.status_code} with {response.text[:200]!r}"
+        )
+    return reply
 
 
 def _describe(response: httpx.Response) -> str:

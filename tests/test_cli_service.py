@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,51 @@ def test_submit_to_no_server_exits_2() -> None:
     assert result.exit_code == 2
     assert "cannot reach" in result.output
     get_settings.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("given", "words"),
+    [
+        (["--token", "tökén", "--server", "http://127.0.0.1:9"], "printable ASCII"),
+        (["--token", "x", "--server", "http://[::1"], "is not a URL"),
+    ],
+)
+def test_submit_with_a_token_or_server_that_cannot_be_used_exits_2(
+    given: list[str], words: str
+) -> None:
+    result = CliRunner().invoke(app, ["submit", str(SCOPE), *given])
+    assert result.exit_code == 2 and words in result.output, result.output
+
+
+@pytest.fixture
+def not_pathgate() -> Iterator[tuple[str, list[bytes]]]:
+    """An HTTP server that answers every POST with 200 and whatever the test puts in the list."""
+    replies: list[bytes] = []
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(replies[0])
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    http = HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{http.server_port}", replies
+    http.shutdown()
+
+
+@pytest.mark.parametrize("reply", [b"<html>a web page</html>", b'{"state": "queued"}', b"[1]"])
+def test_submit_to_a_server_that_is_not_pathgate_exits_2(
+    not_pathgate: tuple[str, list[bytes]], reply: bytes
+) -> None:
+    url, replies = not_pathgate
+    replies.append(reply)
+    result = CliRunner().invoke(app, ["submit", str(SCOPE), "--server", url, "--token", "x"])
+    assert result.exit_code == 2, result.output
+    assert f"{url} is not a pathgate service" in result.output
 
 
 def test_the_client_waits_for_every_finished_state() -> None:

@@ -192,9 +192,9 @@ def submissions_list(
         return _to_login(request)
     filters = store.ListFilter(
         state=state if state in SUBMISSION_STATES else None,
-        scope=scope or None,
+        scope=_comparable(scope),
         verdict=verdict if verdict in VERDICTS else None,
-        submitter=(submitter or None) if viewer.is_maintainer else None,
+        submitter=_comparable(submitter) if viewer.is_maintainer else None,
         owner_id=viewer.owner_id,
     )
     rows, total = store.list_page(db, filters, (page - 1) * PER_PAGE, PER_PAGE)
@@ -213,6 +213,12 @@ def submissions_list(
         scopes=store.scopes(db, viewer.owner_id),
         submitters=store.submitters(db) if viewer.is_maintainer else [],
     )
+
+
+def _comparable(text: str | None) -> str | None:
+    """A free-text filter the store can compare: PostgreSQL's text holds no NUL, so no stored
+    name has one, and the value is dropped like an unknown state instead of failing the query."""
+    return text if text and "\x00" not in text else None
 
 
 def _query(filters: store.ListFilter, **changes: Any) -> str:

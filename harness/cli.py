@@ -88,6 +88,11 @@ def validate(
 
     manifest = _load_or_exit(scope)
     out_dir = out or get_settings().output_dir / manifest.name
+    try:  # before any case runs: a finished case must have somewhere to go
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _error(f"cannot write the output folder {out_dir}: {exc.strerror or exc}")
+        raise typer.Exit(EXIT_USAGE) from None
     checkpoint_path = out_dir / checkpoint.FILE_NAME
     if checkpoint_path.exists() and not resume:
         _error(

@@ -120,6 +120,18 @@ def test_the_reproduce_command_names_the_device_the_run_resolved(tmp_path: Path)
     )
 
 
+def test_an_output_folder_that_is_a_file_is_refused_before_any_case_runs(tmp_path: Path) -> None:
+    """It ran the first case, then lost it in two chained tracebacks."""
+    scope = _small_scope(tmp_path, [])
+    out = tmp_path / "taken"
+    out.write_text("a file")
+    result = CliRunner().invoke(app, ["validate", str(scope), "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert f"cannot write the output folder {out}" in result.output
+    assert "Traceback" not in result.output and "[1/" not in result.output
+    assert out.read_text() == "a file"
+
+
 def test_a_path_that_looks_like_markup_prints_as_given(tmp_path: Path) -> None:
     """rich read "[/x]" in a file name as a closing tag and crashed."""
     folder = tmp_path / "br[/x]"

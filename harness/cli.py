@@ -263,14 +263,18 @@ def worker(
 @app.command()
 def serve(
     host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     embedded_worker: Annotated[bool, typer.Option(help="also run a worker here")] = True,
 ) -> None:
     """Run the API, with an embedded worker by default (SQLite and an embedded broker need no
     server)."""
-    from workers.run import serve_all
+    from workers.run import CannotListen, serve_all
 
-    serve_all(host, port, embedded_worker)
+    try:
+        serve_all(host, port, embedded_worker)
+    except CannotListen as exc:
+        _error(str(exc))
+        raise typer.Exit(EXIT_USAGE) from None
 
 
 @app.command()

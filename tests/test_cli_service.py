@@ -93,6 +93,23 @@ def test_token_create_before_the_tables_exist_says_what_to_run(
     assert "Traceback" not in result.output
 
 
+def test_serve_on_a_port_in_use_says_so_before_starting_anything() -> None:
+    """It started its workers, failed to bind, stopped them, and then blamed the worker."""
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = str(taken.getsockname()[1])
+    result = CliRunner().invoke(app, ["serve", "--port", port, "--no-embedded-worker"])
+    taken.close()
+    assert result.exit_code == 2, result.output
+    assert f"cannot listen on 127.0.0.1:{port}" in result.output
+    assert "worker" not in result.output
+
+
+def test_serve_refuses_a_port_number_past_65535() -> None:
+    """uvicorn took 99999 modulo 65536, listened on 34463 and logged 99999."""
+    result = CliRunner().invoke(app, ["serve", "--port", "99999"])
+    assert result.exit_code == 2 and "65535" in result.output
+
+
 @pytest.fixture
 def server(database_url: str) -> Iterator[str]:
     sock = socket.socket()

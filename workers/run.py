@@ -46,11 +46,27 @@ def run_worker(queues: list[str] | None = None) -> None:
     )
 
 
-def _stop_if_worker_dies(worker: subprocess.Popen[bytes]) -> None:
+def _stop_if_worker_dies(worker: subprocess.Popen[bytes], stopping: threading.Event) -> None:
     """Without its worker the embedded service would accept jobs nobody runs: stop it."""
     code = worker.wait()
+    if stopping.is_set():  # the service is stopping them itself
+        return
     print(f"pathgate serve: the embedded worker exited with {code}; stopping", file=sys.stderr)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+class CannotListen(Exception):
+    pass
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The API's socket, bound before any worker starts: a port in use is one clear error, not
+    a server that exits behind workers it then has to stop."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise CannotListen(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def serve_all(host: str, port: int, embedded_worker: bool) -> None:
@@ -58,6 +74,7 @@ def serve_all(host: str, port: int, embedded_worker: bool) -> None:
 
     from harness.api.app import create_app
 
+    sock = listening_socket(host, port)
     upgrade(get_settings().database_url)
     commands = []
     if embedded_worker:
@@ -66,11 +83,14 @@ def serve_all(host: str, port: int, embedded_worker: bool) -> None:
     # credentials), by their own process so a status never waits behind an hour-long job.
     commands.append([sys.executable, "-m", "harness.cli", "worker", "--queues", "github"])
     processes = [subprocess.Popen(command) for command in commands]
+    stopping = threading.Event()
     for process in processes:
-        threading.Thread(target=_stop_if_worker_dies, args=(process,), daemon=True).start()
+        watch = threading.Thread(target=_stop_if_worker_dies, args=(process, stopping), daemon=True)
+        watch.start()
     try:
-        uvicorn.run(create_app(), host=host, port=port)
+        uvicorn.Server(uvicorn.Config(create_app(), host=host, port=port)).run(sockets=[sock])
     finally:
+        stopping.set()
         for process in processes:
             process.send_signal(signal.SIGTERM)
         for process in processes:

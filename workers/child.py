@@ -65,7 +65,10 @@ def main() -> int:
     try:
         evidence_json = evaluate_request(request)
     except BaseException as exc:  # SystemExit from a candidate too: report it, then exit 1
-        send(result_fd, key, "error", describe(exc))
+        # The traceback goes to the log (the job's log tail); the job's reason, which the
+        # report and the pull request's status show, gets the one-line summary.
+        print(f"workers.child: the evaluation raised\n{describe(exc)}", file=sys.stderr)
+        send(result_fd, key, "error", summary(exc))
         return 1
     send(result_fd, key, "evidence", evidence_json)
     return 0
@@ -175,11 +178,14 @@ def prefer_source_dir(source_dir: Path) -> None:
             del sys.modules[name]
 
 
+def summary(exc: BaseException) -> str:
+    # Bounded: a candidate chooses the message and could make it huge.
+    return f"{type(exc).__name__}: {exc}"[:ERROR_SUMMARY_CHARS]
+
+
 def describe(exc: BaseException) -> str:
-    # Both parts bounded: a candidate chooses the message and could make it huge.
-    summary = f"{type(exc).__name__}: {exc}"[:ERROR_SUMMARY_CHARS]
     text = "".join(traceback.format_exception(exc))
-    return f"{summary}\n{text[-ERROR_TAIL_CHARS:]}"
+    return f"{summary(exc)}\n{text[-ERROR_TAIL_CHARS:]}"
 
 
 def send(fd: int, key: bytes, kind: str, payload: str) -> None:

@@ -186,6 +186,26 @@ def test_forged_verdict_on_stdout_and_garbage_on_fds_never_pass(tmp_path: Path) 
     assert '"verdict": "PASS"' in outcome.log_tail  # the forgery only reached the log
 
 
+def test_an_evaluation_that_raises_gives_its_summary_and_logs_its_traceback(
+    tmp_path: Path,
+) -> None:
+    """The error is the job's reason, shown in reports and on the pull request: one line, not
+    the worker's traceback (which stays in the log tail)."""
+    request = RunRequest(
+        manifest_yaml="name: not-a-whole-manifest\n",
+        source_dir=REPO_ROOT,
+        device="cpu",
+        quick=True,
+        seed=SEED,
+        timeout_s=60.0,
+        workdir=tmp_path / "work",
+    )
+    outcome = run_in_child(request)
+    assert isinstance(outcome, ChildCrashed), outcome
+    assert outcome.error.startswith("ManifestError: ") and "Traceback" not in outcome.error
+    assert "Traceback (most recent call last)" in outcome.log_tail
+
+
 def test_result_message_with_a_wrong_mac_is_rejected(tmp_path: Path) -> None:
     outcome = run(hostile("forges_result_forward"), tmp_path / "work")
     assert isinstance(outcome, ChildCrashed), outcome

@@ -1,9 +1,10 @@
-"""`pathgate submit`: the HTTP client of the service."""
+"""The HTTP client of the service: `pathgate submit` and `pathgate serving import-vllm --attach`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -38,16 +39,9 @@ def submit_and_wait(
     """Submit; return the verdict (PASS / FAIL / NEEDS_REVIEW / INCONCLUSIVE) or the final state
     when waiting, else "submitted"."""
     source = {"kind": "git", "url": git_url, "sha": git_sha} if git_url else {"kind": "in_tree"}
-    if not (token.isascii() and token.isprintable()):  # an HTTP header cannot carry it
-        raise SubmitError("--token is not a pathgate token (those are printable ASCII)")
-    headers = {"Authorization": f"Bearer {token}"}
-    try:
-        client = httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=30)
-    except httpx.InvalidURL as exc:
-        raise SubmitError(f"--server {server!r} is not a URL: {exc}") from None
-    with client:
+    with _client(server, token) as client:
         body = {"manifest": manifest, "source": source}
-        created = _call(client, "POST", "/v1/submissions", body, expect=("id", "state"))
+        created = _call(client, "POST", "/v1/submissions", ("id", "state"), json=body)
         submission_id = created["id"]
         say(f"submission {submission_id}: {created['state']}")
         if not wait:
@@ -62,7 +56,7 @@ def _wait(
     last_state = ""
     while time.monotonic() < deadline:
         path = f"/v1/submissions/{submission_id}"
-        submission = _call(client, "GET", path, expect=("state", "verdict", "verdict_reasons"))
+        submission = _call(client, "GET", path, ("state", "verdict", "verdict_reasons"))
         if submission["state"] != last_state:
             last_state = submission["state"]
             say(f"submission {submission_id}: {last_state}")
@@ -74,17 +68,42 @@ def _wait(
     raise SubmitError(f"no verdict after {timeout_s:.0f} s (state: {last_state})")
 
 
+def attach_serving_result(
+    server: str, token: str, submission_id: int, name: str, raw: bytes
+) -> None:
+    """POST a `vllm bench serve` result file as it is (its sha256 is the provenance)."""
+    with _client(server, token) as client:
+        path = f"/v1/submissions/{submission_id}/serving-results"
+        headers = {"Content-Type": "application/json"}
+        _call(
+            client,
+            "POST",
+            path,
+            ("id", "sha256"),
+            params={"name": name},
+            content=raw,
+            headers=headers,
+        )
+
+
+def _client(server: str, token: str) -> httpx.Client:
+    if not (token.isascii() and token.isprintable()):  # an HTTP header cannot carry it
+        raise SubmitError("the token is not a pathgate token (those are printable ASCII)")
+    try:
+        return httpx.Client(
+            base_url=server.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=30
+        )
+    except httpx.InvalidURL as exc:
+        raise SubmitError(f"the server {server!r} is not a URL: {exc}") from None
+
+
 def _call(
-    client: httpx.Client,
-    method: str,
-    path: str,
-    body: dict | None = None,
-    expect: tuple[str, ...] = (),
+    client: httpx.Client, method: str, path: str, expect: tuple[str, ...], **request: Any
 ) -> dict:
     """The reply's JSON object; SubmitError when the server cannot be reached, refuses, or
     answers with something other than a pathgate reply holding the `expect` fields."""
     try:
-        response = client.request(method, path, json=body)
+        response = client.request(method, path, **request)
     except httpx.HTTPError as exc:
         raise SubmitError(f"cannot reach {client.base_url}: {exc}") from None
     if response.status_code >= 400:

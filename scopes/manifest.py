@@ -93,9 +93,14 @@ class Hardware(Strict):
         return value
 
 
+# Batch and context bounds: far past any real case, and within the database's integers (a
+# 400-digit batch passed the manifest and lost its job's evidence at the insert).
+MAX_BOUND = 2**31 - 1
+
+
 class IntRange(Strict):
-    min: int = Field(ge=1)
-    max: int = Field(ge=1)
+    min: int = Field(ge=1, le=MAX_BOUND)
+    max: int = Field(ge=1, le=MAX_BOUND)
 
     @model_validator(mode="after")
     def _ordered(self) -> IntRange:
@@ -108,7 +113,9 @@ class Workload(Strict):
     phase: Literal["decode", "prefill"]
     batch: IntRange
     context: IntRange | None = None  # None: the path does not depend on context length
-    context_parallel: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1])
+    context_parallel: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
+        default_factory=lambda: [1]
+    )
 
     @field_validator("context_parallel")
     @classmethod

@@ -277,3 +277,33 @@ def test_import_vllm_attach_stores_the_file_with_the_submission(server: str) -> 
         ],
     )
     assert refused.exit_code == 2 and "404" in refused.output
+
+
+VLLM_RESULT = Path(__file__).resolve().parent / "fixtures" / "vllm_bench_serve_result.json"
+
+
+def test_import_vllm_attach_to_a_server_that_is_not_pathgate_exits_2(
+    not_pathgate: tuple[str, list[bytes]],
+) -> None:
+    """A 201 that is not pathgate's reply was reported as attached."""
+    url, replies = not_pathgate
+    replies.append(b'{"state": "queued"}')
+    attach = ["--attach", "1", "--server", url, "--token", "x"]
+    result = CliRunner().invoke(app, ["serving", "import-vllm", str(VLLM_RESULT), *attach])
+    assert result.exit_code == 2, result.output
+    assert f"{url} is not a pathgate service" in result.output
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        (["--attach", "1", "--token", "tö"], "printable ASCII"),
+        (["--attach", "1", "--token", "x", "--server", "http://[::1"], "is not a URL"),
+        (["--out", "/"], "cannot write /"),
+        (["--out", "/no-such-folder/rows.json"], "cannot write /no-such-folder/rows.json"),
+    ],
+)
+def test_import_vllm_with_options_it_cannot_use_exits_2(options: list[str], words: str) -> None:
+    result = CliRunner().invoke(app, ["serving", "import-vllm", str(VLLM_RESULT), *options])
+    assert result.exit_code == 2 and words in result.output, result.output
+    assert "Traceback" not in result.output

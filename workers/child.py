@@ -179,8 +179,10 @@ def prefer_source_dir(source_dir: Path) -> None:
 
 
 def summary(exc: BaseException) -> str:
-    # Bounded: a candidate chooses the message and could make it huge.
-    return f"{type(exc).__name__}: {exc}"[:ERROR_SUMMARY_CHARS]
+    """One line (a manifest error lists its problems over several), bounded: a candidate
+    chooses the message and could make it huge."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {'; '.join(lines)}"[:ERROR_SUMMARY_CHARS]
 
 
 def describe(exc: BaseException) -> str:

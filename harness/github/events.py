@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from harness.errors import InvalidInput
 
@@ -34,7 +34,7 @@ class _Label(_Model):
 
 
 class _PullRequest(_Model):
-    number: int
+    number: int = Field(ge=1, le=2**31 - 1)  # stored in a 32-bit column
     author_association: str
     head: _Ref
     base: _Ref

@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 from typing import Annotated
 
-import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -89,26 +88,23 @@ def import_vllm_command(
     if out is None:
         typer.echo(text)
     else:
-        out.write_text(text)
+        try:
+            out.write_text(text)
+        except OSError as exc:
+            console.print(Text(f"cannot write {out}: {exc.strerror or exc}", style="red"))
+            raise typer.Exit(EXIT_USAGE) from None
         console.print(f"{len(imported)} result(s) written to {out}")
 
 
 def _attach(files: list[Path], submission_id: int, server: str, token: str) -> None:
-    """POST each file as it is (its sha256 is the provenance) to the submission."""
-    url = f"{server.rstrip('/')}/v1/submissions/{submission_id}/serving-results"
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    from harness.client import SubmitError, attach_serving_result
+
     for path in files:
         try:
-            response = httpx.post(
-                url, params={"name": path.name}, content=path.read_bytes(), headers=headers
-            )
-        except httpx.HTTPError as exc:
-            console.print(Text(f"cannot reach {server}: {exc}", style="red"))
+            attach_serving_result(server, token, submission_id, path.name, path.read_bytes())
+        except SubmitError as exc:
+            console.print(Text(f"{path.name}: {exc}", style="red"))
             raise typer.Exit(EXIT_USAGE) from None
-        if response.status_code != 201:
-            failed = f"{path.name}: {response.status_code}: {response.text[:500]}"
-            console.print(Text(failed, style="red"))
-            raise typer.Exit(EXIT_USAGE)
         console.print(f"{path.name}: attached to submission {submission_id}")
 
 

@@ -126,6 +126,11 @@ def test_the_approval_label_is_acted_on(client: TestClient, tasks: TaskRecorder)
 def test_a_payload_that_is_not_a_pull_request_is_422(client: TestClient) -> None:
     response = deliver(client, "pull_request", {"action": "opened", "pull_request": {}})
     assert response.status_code == 422
+    # a number past the database's integers was a 500 at the insert
+    huge = PR.payload("opened")
+    huge["pull_request"]["number"] = 2**31
+    response = deliver(client, "pull_request", huge)
+    assert response.status_code == 422 and "number" in response.text
     response = client.post(
         "/v1/github/webhook",
         content=b"not json",

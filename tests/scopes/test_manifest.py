@@ -76,6 +76,8 @@ def test_shipped_manifests_are_valid(path: Path) -> None:
         ),
         ("workload.context_parallel", [1, 1], "workload.context_parallel", "distinct"),
         ("tolerance", {"error_budget": -1}, "tolerance.error_budget", "greater than 0"),
+        # past the database's integers: it lost its job's evidence at the insert
+        ("workload.batch", {"min": 1, "max": 10**400}, "workload.batch.max", "less than or equal"),
         # a check that can never fail
         ("tolerance", {"error_budget": float("inf")}, "tolerance.error_budget", "finite number"),
         (

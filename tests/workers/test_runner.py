@@ -202,7 +202,8 @@ def test_an_evaluation_that_raises_gives_its_summary_and_logs_its_traceback(
     )
     outcome = run_in_child(request)
     assert isinstance(outcome, ChildCrashed), outcome
-    assert outcome.error.startswith("ManifestError: ") and "Traceback" not in outcome.error
+    assert outcome.error.startswith("ManifestError: summary: Field required; path: ")
+    assert "\n" not in outcome.error and "Traceback" not in outcome.error
     assert "Traceback (most recent call last)" in outcome.log_tail
 
 

@@ -288,7 +288,7 @@ def submit(
     timeout: Annotated[float, typer.Option(help="seconds to wait")] = 3600.0,
 ) -> None:
     """Submit a scope to a pathgate service; with --wait, exit like `validate` on its verdict."""
-    from harness.client import SubmitError, submit_and_wait
+    from harness.client import ServiceError, submit_and_wait
 
     if (git_url is None) != (git_sha is None):  # else the in-tree code would run unasked
         _error("--git-url and --git-sha go together")
@@ -298,7 +298,7 @@ def submit(
         final = submit_and_wait(
             server, token, scope.read_text(), git_url, git_sha, wait, timeout, out_console.print
         )
-    except SubmitError as exc:
+    except ServiceError as exc:
         _error(str(exc))
         raise typer.Exit(EXIT_USAGE) from None
     # errored or timed out: no verdict, exit 1 like a FAIL; waiting for hardware: 3

@@ -22,8 +22,8 @@ SETTLED = {
 POLL_S = 2.0
 
 
-class SubmitError(Exception):
-    pass
+class ServiceError(Exception):
+    """The service could not be reached, refused the request, or did not answer as pathgate."""
 
 
 def submit_and_wait(
@@ -65,7 +65,7 @@ def _wait(
         if last_state in SETTLED:
             return str(submission["verdict"] or last_state)
         time.sleep(POLL_S)
-    raise SubmitError(f"no verdict after {timeout_s:.0f} s (state: {last_state})")
+    raise ServiceError(f"no verdict after {timeout_s:.0f} s (state: {last_state})")
 
 
 def attach_serving_result(
@@ -88,32 +88,32 @@ def attach_serving_result(
 
 def _client(server: str, token: str) -> httpx.Client:
     if not (token.isascii() and token.isprintable()):  # an HTTP header cannot carry it
-        raise SubmitError("the token is not a pathgate token (those are printable ASCII)")
+        raise ServiceError("the token is not a pathgate token (those are printable ASCII)")
     try:
         return httpx.Client(
             base_url=server.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=30
         )
     except httpx.InvalidURL as exc:
-        raise SubmitError(f"the server {server!r} is not a URL: {exc}") from None
+        raise ServiceError(f"the server {server!r} is not a URL: {exc}") from None
 
 
 def _call(
     client: httpx.Client, method: str, path: str, expect: tuple[str, ...], **request: Any
 ) -> dict:
-    """The reply's JSON object; SubmitError when the server cannot be reached, refuses, or
+    """The reply's JSON object; ServiceError when the server cannot be reached, refuses, or
     answers with something other than a pathgate reply holding the `expect` fields."""
     try:
         response = client.request(method, path, **request)
     except httpx.HTTPError as exc:
-        raise SubmitError(f"cannot reach {client.base_url}: {exc}") from None
+        raise ServiceError(f"cannot reach {client.base_url}: {exc}") from None
     if response.status_code >= 400:
-        raise SubmitError(_describe(response))
+        raise ServiceError(_describe(response))
     try:
         reply = response.json()
     except ValueError:
         reply = None
     if not isinstance(reply, dict) or not all(key in reply for key in expect):
-        raise SubmitError(
+        raise ServiceError(
             f"{client.base_url} is not a pathgate service: {method} {path} answered "
             f"HTTP {response.status_code} with {response.text[:200]!r}"
         )

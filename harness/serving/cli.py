@@ -97,12 +97,12 @@ def import_vllm_command(
 
 
 def _attach(files: list[Path], submission_id: int, server: str, token: str) -> None:
-    from harness.client import SubmitError, attach_serving_result
+    from harness.client import ServiceError, attach_serving_result
 
     for path in files:
         try:
             attach_serving_result(server, token, submission_id, path.name, path.read_bytes())
-        except SubmitError as exc:
+        except ServiceError as exc:
             console.print(Text(f"{path.name}: {exc}", style="red"))
             raise typer.Exit(EXIT_USAGE) from None
         console.print(f"{path.name}: attached to submission {submission_id}")

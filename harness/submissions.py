@@ -49,9 +49,10 @@ class Source:
 def parse_manifest(body: str | dict[str, Any]) -> tuple[ScopeManifest, str]:
     """The validated manifest and its text; InvalidInput (422) lists every problem."""
     try:
-        # An object goes through its YAML text, so it meets the same checks (node count, lone
-        # surrogates, numbers too long to read) as a manifest sent as text.
-        text = body if isinstance(body, str) else _yaml_text(body)
+        text = body
+        if not isinstance(body, str):  # through its YAML text, to meet the same checks (node
+            # count, lone surrogates, numbers too long to read) as a manifest sent as text
+            text = yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
         return load_manifest(text), text
     except ManifestError as exc:
         details = [
@@ -70,10 +71,6 @@ def parse_manifest(body: str | dict[str, Any]) -> tuple[ScopeManifest, str]:
         loc = ["body", "manifest"]
         details = [{"loc": loc, "msg": "nested too deeply to parse", "line": None}]
         raise InvalidInput("invalid scope manifest", details) from None
-
-
-def _yaml_text(body: dict[str, Any]) -> str:
-    return yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
 
 
 def submit(

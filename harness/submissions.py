@@ -49,9 +49,10 @@ class Source:
 def parse_manifest(body: str | dict[str, Any]) -> tuple[ScopeManifest, str]:
     """The validated manifest and its text; InvalidInput (422) lists every problem."""
     try:
-        text = body
-        if not isinstance(body, str):  # through its YAML text, to meet the same checks (node
-            # count, lone surrogates, numbers too long to read) as a manifest sent as text
+        if isinstance(body, str):
+            text = body
+        else:  # through its YAML text, to meet the same checks (node count, lone surrogates,
+            # numbers too long to read) as a manifest sent as text
             text = yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
         return load_manifest(text), text
     except ManifestError as exc:

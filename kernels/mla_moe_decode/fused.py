@@ -226,12 +226,12 @@ class LayerPlan:
     route_warps: int = 4
     route_weights_in_loop: bool = False  # the routing kernel's first build (one sum per slot)
     # the four GEMVs (kernels 2, 4, 9, 11) as the CuTe DSL kernel of cute_gemv, same tiles, on
-    # the GPU; the Triton kernel stands in on the CPU. Off until measured on the H200
-    # (`--sweep-small-kernels`, "GEMVs in CuTe DSL")
+    # the GPU; the Triton kernel stands in on the CPU. layer_plan turns it on at batch <= 8
+    # (`--sweep-small-kernels`, "GEMVs in CuTe DSL", 2026-12-05)
     gemv_cute: bool = False
     # kernels 3 and 4 in one launch (triton_attention.q_b_folded: q_a_layernorm's scale applied
-    # by q_absorb), 13 kernels per layer. Off until measured on the H200
-    # (`--sweep-small-kernels`, "latent_prep folded into q_b")
+    # by q_absorb), 13 kernels per layer. Off: 2-15% slower per layer on the H200
+    # (`--sweep-small-kernels`, "latent_prep folded into q_b", 2026-12-05)
     fold_latent_prep: bool = False
 
 
@@ -250,6 +250,9 @@ def layer_plan(
         **gemvs,
         attention=_attention_blocks(c, batch, context, on_gpu, sm_count),
         moe=_moe_blocks(batch, on_gpu, sm_count),
+        # The CuTe DSL GEMVs took 0.991-0.999 of the Triton ones' layer time at batch 1 and 8
+        # and 1.007-1.011 at batch 64 (H200, 2026-12-05, docs/runs/2026-12-05-small-kernels/)
+        gemv_cute=on_gpu and batch <= 8,
     )
 
 
@@ -304,6 +307,10 @@ def _attention_blocks(
             block_m, block_h, block_t, triton.cdiv(context, tokens), tokens,
             combine_heads=1, combine_splits=combine_splits, combine_cols=combine_cols,
             absorb_cols=absorb_cols, uv_cols=32, split_warps=4, split_stages=stages,
+            # Unmasked loads in every tile but the last took 0.94-1.01 of the masked ones' layer
+            # time at batch 1 and 8 (0.988 on the geometric mean), the masked ones 0.971-0.995
+            # of the unmasked at batch 64 (H200, 2026-12-05, docs/runs/2026-12-05-small-kernels/)
+            mask_every_tile=batch > 8,
         )  # fmt: skip
     # The interpreter pays per program and per op: few, large programs, but still two context
     # splits and a two-step merge loop, so the CPU tests run every path of the GPU's kernels.

@@ -67,8 +67,9 @@ class AttentionBlocks:
     absorb_warps: int = 4
     combine_warps: int = 4
     uv_warps: int = 4
-    # the split kernel's loads as built before the twentieth session, masked per token
-    # (measurement only: `mla_moe_device_check.py --sweep-small-kernels` compares it)
+    # the split kernel's loads masked per token in every tile, as built before the twentieth
+    # session; the GPU plan keeps them above batch 8, where they measured faster
+    # (`mla_moe_device_check.py --sweep-small-kernels`)
     mask_every_tile: bool = False
 
 

@@ -1267,7 +1267,8 @@ def _compare_pdl_modes(
 # (2026-12-04, docs/benchmarks.md) tried 1, 2 and 8 warps for latent_prep, the combine and w_uv,
 # 2 and 8 for q_absorb, 4 and 8 for the post-attention norm, 1 and 2 for routing: none won by
 # more than 1%, and fewer warps lost up to 8.5%.
-SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool]] = {
+# A value of None flips the plan's own switch, for the switches the plan sets per batch.
+SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | None]] = {
     "prep 8 warps": ("prep_warps", 8),  # latent_prep (plan: 4)
     "prep 16 warps": ("prep_warps", 16),
     "route 8 warps": ("route_warps", 8),  # the routing kernel (plan: 4)
@@ -1275,19 +1276,24 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool]] = {
     "route weights in loop": ("route_weights_in_loop", True),  # its first build's order
     "norm 32 warps": ("norm_warps", 32),  # the post-attention add + RMSNorm (plan: 16 here)
     "absorb 8 warps": ("absorb_warps", 8),  # q_absorb (plan: 4)
-    # the split-KV attention with every tile masked, as before the twentieth session
-    "attention masks every tile": ("mask_every_tile", True),
-    # new in the twenty-first session: the four GEMVs in CuTe DSL (cute_gemv, same tiles), and
+    # the split-KV attention's token masks in every tile or only the last (the plan: every tile
+    # above batch 8); the 2026-12-05 sweep ran it as "attention masks every tile"
+    "attention masks the other way": ("mask_every_tile", None),
+    # the four GEMVs in the other language: CuTe DSL (cute_gemv, same tiles) or Triton (the
+    # plan: CuTe DSL at batch <= 8); the 2026-12-05 sweep ran it as "GEMVs in CuTe DSL"
+    "GEMVs in the other language": ("gemv_cute", None),
     # latent_prep folded into q_b's GEMV (13 kernels; not the same bits: q_c is not rounded)
-    "GEMVs in CuTe DSL": ("gemv_cute", True),
     "latent_prep folded into q_b": ("fold_latent_prep", True),
 }
 
 
-def with_plan_value(plan: fused.LayerPlan, field_name: str, value: int | bool) -> fused.LayerPlan:
-    """The plan with one small kernel's launch field changed."""
-    change: dict[str, Any] = {field_name: value}
-    if hasattr(plan.attention, field_name):
+def with_plan_value(
+    plan: fused.LayerPlan, field_name: str, value: int | bool | None
+) -> fused.LayerPlan:
+    """The plan with one small kernel's launch field changed (None: the plan's switch flipped)."""
+    owner: Any = plan.attention if hasattr(plan.attention, field_name) else plan
+    change = {field_name: not getattr(owner, field_name) if value is None else value}
+    if owner is plan.attention:
         return replace(plan, attention=replace(plan.attention, **change))
     return replace(plan, **change)
 

@@ -138,14 +138,18 @@ def test_small_kernel_sweep_times_each_change_against_the_plan(tmp_path: Path) -
 
 def test_small_kernel_sweep_takes_only_the_variants_named(monkeypatch) -> None:
     """--variants NAME ...: the device's minutes go to the changes asked about; the plan stays
-    the baseline, and the GEMVs variant turns on exactly the plan's gemv_cute."""
+    the baseline, and the GEMVs variant flips exactly the plan's gemv_cute: off at batch 8,
+    where the GPU plan takes the CuTe DSL GEMVs, on at batch 64, where it takes Triton's."""
     compared: list[dict] = []
     monkeypatch.setattr(device_check, "_compare_plans", lambda *args: compared.append(args[-1]))
-    only = ("GEMVs in CuTe DSL",)
+    only = ("GEMVs in the other language",)
     device_check._compare_small_kernels(None, [], None, None, None, only=only)  # type: ignore[arg-type]
     assert list(compared[0]) == list(only)
-    plan = fused.layer_plan(LayerConfig(), 8, 1024, True, 132)
-    assert compared[0]["GEMVs in CuTe DSL"](plan) == dataclasses.replace(plan, gemv_cute=True)
+    for batch, cute in [(8, True), (64, False)]:
+        plan = fused.layer_plan(LayerConfig(), batch, 1024, True, 132)
+        assert plan.gemv_cute is cute
+        flipped = compared[0]["GEMVs in the other language"](plan)
+        assert flipped == dataclasses.replace(plan, gemv_cute=not cute)
     with pytest.raises(SystemExit):
         device_check._parse_args(["--sweep-small-kernels", "--variants", "GEMVs in Cute"])
 
@@ -195,11 +199,13 @@ def test_the_moe_plan_before_the_seventeenth_session(batch: int) -> None:
     assert run18.moe == expected
 
 
-def test_with_plan_value_changes_that_kernel_alone() -> None:
-    plan = fused.layer_plan(LayerConfig(), 8, 1024, True, 132)
+@pytest.mark.parametrize("batch", [8, 64])
+def test_with_plan_value_changes_that_kernel_alone(batch: int) -> None:
+    plan = fused.layer_plan(LayerConfig(), batch, 1024, True, 132)
     for field_name, value in SMALL_KERNEL_VARIANTS.values():
         expected = dataclasses.asdict(plan)
         owner = expected["attention"] if field_name in expected["attention"] else expected
+        value = not owner[field_name] if value is None else value
         assert owner[field_name] != value  # the plan's own value is the "off" variant
         owner[field_name] = value
         assert dataclasses.asdict(with_plan_value(plan, field_name, value)) == expected

@@ -26,7 +26,26 @@ _WORKLOAD_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 class EngineStrict(BaseModel):
     # The same rules as scopes.manifest.Strict; its own class so manifest.py can import this one.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No .inf or .nan: an infinite startup timeout waits forever on a server that never answers.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Upper bounds: far above any real serving run, low enough that the prompt lists pathgate builds
+# before the first request (token ids, num_prompts x input_len) fit in memory.
+MAX_TOKENS_PER_REQUEST = 2**20
+MAX_PROMPTS = 100_000
+MAX_PROMPT_TOKENS = 2**25  # the count x input_len of one prompt set
+MAX_CONCURRENCY = 4096
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_prompt_tokens(count: int, input_len: int, what: str) -> None:
+    if count * input_len > MAX_PROMPT_TOKENS:
+        raise ValueError(
+            f"{what}: {count} prompts x {input_len} tokens is over {MAX_PROMPT_TOKENS} prompt "
+            "tokens, more than pathgate holds in memory"
+        )
 
 
 def serve_placeholders(template: str) -> list[str]:
@@ -65,15 +84,24 @@ class Arm(EngineStrict):
     env: dict[str, str] = Field(default_factory=dict)
     flags: list[str] = Field(default_factory=list)
 
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+        return value
+
 
 class ServingWorkload(EngineStrict):
     name: str
-    input_len: int = Field(ge=1)  # prompt tokens per request
-    output_len: int = Field(ge=2)  # generated tokens per request (>= 2, or TPOT is undefined)
-    num_prompts: int = Field(ge=1)  # requests per run
+    input_len: int = Field(ge=1, le=MAX_TOKENS_PER_REQUEST)  # prompt tokens per request
+    # generated tokens per request (>= 2, or TPOT is undefined)
+    output_len: int = Field(ge=2, le=MAX_TOKENS_PER_REQUEST)
+    num_prompts: int = Field(ge=1, le=MAX_PROMPTS)  # requests per run
     # Closed-loop request concurrency; None: the scope's batch grid (default_concurrency).
-    concurrency: list[Annotated[int, Field(ge=1)]] | None = None
-    repeats: int = Field(3, ge=1)  # runs per (arm, concurrency): the samples of the CI
+    concurrency: list[Annotated[int, Field(ge=1, le=MAX_CONCURRENCY)]] | None = None
+    repeats: int = Field(3, ge=1, le=100)  # runs per (arm, concurrency): the samples of the CI
     # Passed to the server as --speculative-config '<json>', e.g. {method: eagle3, ...}
     speculative: dict[str, Any] | None = None
 
@@ -91,6 +119,11 @@ class ServingWorkload(EngineStrict):
             raise ValueError("concurrency levels must be distinct")
         return sorted(value) if value is not None else None
 
+    @model_validator(mode="after")
+    def _fits_in_memory(self) -> ServingWorkload:
+        _check_prompt_tokens(self.num_prompts, self.input_len, f"workload {self.name}")
+        return self
+
     def concurrency_levels(self, batch_min: int, batch_max: int) -> list[int]:
         return self.concurrency or default_concurrency(batch_min, batch_max)
 
@@ -98,11 +131,16 @@ class ServingWorkload(EngineStrict):
 class AccuracySpec(EngineStrict):
     """Greedy completions of one seeded prompt set, compared between the arms."""
 
-    prompts: int = Field(32, ge=1)
-    input_len: int = Field(128, ge=1)
-    max_tokens: int = Field(128, ge=1)
+    prompts: int = Field(32, ge=1, le=MAX_PROMPTS)
+    input_len: int = Field(128, ge=1, le=MAX_TOKENS_PER_REQUEST)
+    max_tokens: int = Field(128, ge=1, le=MAX_TOKENS_PER_REQUEST)
     gsm8k: bool = False  # lm-eval's gsm8k through `local-completions`, when installed offline
-    gsm8k_limit: int | None = Field(None, ge=1)  # None: the whole test split
+    gsm8k_limit: int | None = Field(None, ge=1, le=MAX_PROMPTS)  # None: the whole test split
+
+    @model_validator(mode="after")
+    def _fits_in_memory(self) -> AccuracySpec:
+        _check_prompt_tokens(self.prompts, self.input_len, "accuracy")
+        return self
 
 
 class EngineSpec(EngineStrict):
@@ -111,8 +149,9 @@ class EngineSpec(EngineStrict):
     candidate: Arm = Arm()
     health_path: str = "/health"
     metrics_path: str = "/metrics"
-    startup_timeout_s: float = Field(900.0, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)  # one request, first byte to last
+    startup_timeout_s: float = Field(900.0, gt=0, le=MAX_TIMEOUT_S)
+    # one request, first byte to last
+    request_timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
     workloads: list[ServingWorkload] = Field(default_factory=list)
     accuracy: AccuracySpec = AccuracySpec()
 

@@ -272,9 +272,10 @@ def _parse(text: str) -> tuple[yaml.Node | None, Any]:
 
 def _check_nodes(root: yaml.Node) -> None:
     """What YAML allows and a manifest must not have: a key given twice (the last would win
-    silently: a reviewer would read claims that are never judged), and aliases that expand the
-    document past MAX_NODES (a small file of nested `*name`s can stand for gigabytes; a tool's
-    YAML writer may use aliases for repeated values, which stays allowed). Each with its line."""
+    silently: a reviewer would read claims that are never judged), a NUL character, and aliases
+    that expand the document past MAX_NODES (a small file of nested `*name`s can stand for
+    gigabytes; a tool's YAML writer may use aliases for repeated values, which stays allowed).
+    Each with its line."""
     problems = []
     checked: set[int] = set()
     visits, stack = 0, [root]
@@ -290,6 +291,10 @@ def _check_nodes(root: yaml.Node) -> None:
             stack += [item for pair in node.value for item in pair]
         elif isinstance(node, yaml.SequenceNode):
             stack += node.value
+        elif id(node) not in checked and "\x00" in node.value:
+            # a database's text and JSON columns, a process's argv and environment refuse it
+            line = node.start_mark.line + 1
+            problems.append(ManifestProblem("", "holds a NUL character (\\0)", line))
         checked.add(id(node))
     if problems:
         raise ManifestError(problems)

@@ -72,6 +72,15 @@ def test_the_shipped_scope_without_an_engine_still_loads() -> None:
         ({"health_path": "health"}, "engine.health_path", "not a URL path"),
         ({"baseline": {}, "candidate": {}}, "engine", "the same arm"),
         ({"candidate": {"env": {"X": "1"}, "flag": ["--x"]}}, "engine.candidate.flag", "unknown"),
+        # an infinite timeout waits forever on a server that never answers
+        ({"startup_timeout_s": float("inf")}, "engine.startup_timeout_s", "finite"),
+        ({"request_timeout_s": float("nan")}, "engine.request_timeout_s", "finite"),
+        ({"startup_timeout_s": 10**9}, "engine.startup_timeout_s", "less than or equal"),
+        # no process environment can hold these names
+        ({"candidate": {"env": {"A=B": "1"}}}, "engine.candidate.env", "not an environment"),
+        ({"candidate": {"env": {"": "1"}}}, "engine.candidate.env", "not an environment"),
+        ({"accuracy": {"prompts": 10**22}}, "engine.accuracy.prompts", "less than or equal"),
+        ({"accuracy": {"prompts": 100_000, "input_len": 4096}}, "engine.accuracy", "in memory"),
     ],
 )
 def test_bad_engine_fields_are_located_errors(
@@ -95,12 +104,40 @@ def test_unknown_placeholder_message_lists_the_allowed_ones() -> None:
         ({"output_len": 1}, "engine.workloads.0.output_len", "greater than or equal to 2"),
         ({"concurrency": [2, 2]}, "engine.workloads.0.concurrency", "distinct"),
         ({"name": "Decode 1k"}, "engine.workloads.0.name", "workload name"),
+        ({"input_len": 10**11}, "engine.workloads.0.input_len", "less than or equal"),
+        ({"num_prompts": 10**6}, "engine.workloads.0.num_prompts", "less than or equal"),
+        ({"concurrency": [10**11]}, "engine.workloads.0.concurrency.0", "less than or equal"),
+        ({"repeats": 10**4}, "engine.workloads.0.repeats", "less than or equal"),
+        # each bound alone allows it; the prompt set's token ids would not fit in memory
+        ({"num_prompts": 65_536, "input_len": 65_536}, "engine.workloads.0", "in memory"),
     ],
 )
 def test_bad_workloads_are_located_errors(workload: dict[str, Any], field: str, words: str) -> None:
     first = {**ENGINE["workloads"][0], **workload}
     problems = _problems({**ENGINE, "workloads": [first]})
     assert any(p.field == field and words in p.message for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"candidate": {"env": {"VLLM_X": "a\x00b"}}},
+        {"candidate": {"flags": ["--x\x00"]}},
+        {"serve": "vllm serve {model} --port {port} --x \x00"},
+    ],
+)
+def test_a_nul_character_anywhere_is_refused_with_its_line(change: dict[str, Any]) -> None:
+    """No argv, environment, or database text column can carry NUL: refused at load, not as a
+    launcher traceback mid-run (or a failed insert on PostgreSQL)."""
+    problems = _problems({**ENGINE, **change})
+    assert [p.message for p in problems] == ["holds a NUL character (\\0)"]
+    assert problems[0].line is not None
+
+
+def test_a_nul_character_in_the_model_id_is_refused() -> None:
+    data = {**BASE, "model": {**BASE["model"], "id": "fake\x00model"}}
+    with pytest.raises(ManifestError, match="NUL"):
+        load_manifest(yaml.safe_dump(data, sort_keys=False))
 
 
 def test_duplicate_workload_names_are_refused() -> None:

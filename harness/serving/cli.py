@@ -7,11 +7,13 @@ inconclusive or not measurable here, 2 on a bad manifest, file or usage.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -20,7 +22,7 @@ from rich.text import Text
 
 from harness.serving.ab import ABOptions, ABResult, run_ab, serve_params
 from harness.serving.vllm_import import VllmResultError, import_vllm_result
-from scopes.manifest import ManifestError, ScopeManifest, load_manifest_file
+from scopes.manifest import KNOWN_GPUS, ManifestError, ScopeManifest, load_manifest_file
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 
@@ -29,7 +31,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True, markup=False)  # as harness/cli.py's: text prints as given
+console = Console(stderr=True, markup=False, soft_wrap=True)  # as harness/cli.py's
 
 
 @app.command("ab")
@@ -40,7 +42,9 @@ def ab_command(
     ),
     cp: Annotated[int | None, typer.Option(help="decode CP degree (default: the first)")] = None,
     gpus: Annotated[int | None, typer.Option(help="GPU count (default: the first)")] = None,
-    seed: Annotated[int, typer.Option(help="prompt seed, the same for both arms")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="prompt seed, the same for both arms", min=0, max=2**63 - 1)
+    ] = 0,
     host_gpu: Annotated[
         str | None, typer.Option(help="this host's GPU kind (default: from nvidia-smi)")
     ] = None,
@@ -49,8 +53,13 @@ def ab_command(
     compare the arms and judge the serving claims; writes OUT/serving.json."""
     manifest = _load_or_exit(scope)
     if manifest.engine is None:
-        console.print(Text(f"{scope}: the scope has no engine: section", style="red"))
-        raise typer.Exit(EXIT_USAGE)
+        _usage_error(f"{scope}: the scope has no engine: section")
+    _check_listed("--cp", cp, manifest.workload.context_parallel)
+    _check_listed("--gpus", gpus, manifest.hardware.gpus)
+    if host_gpu is not None and host_gpu not in KNOWN_GPUS:
+        _usage_error(f"--host-gpu {host_gpu}: unknown GPU kind; known: {', '.join(KNOWN_GPUS)}")
+    evidence = out / "serving.json"
+    _check_writable(evidence)  # before any server starts: an A/B can take an hour
     options = ABOptions(
         out_dir=out,
         params=serve_params(manifest, cp, gpus),
@@ -58,11 +67,38 @@ def ab_command(
         seed=seed,
     )
     result = run_ab(manifest, options)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps(result.to_json(), indent=2, allow_nan=False))
     _print_result(result)
-    console.print(f"evidence: {out / 'serving.json'}")
+    text = json.dumps(result.to_json(), indent=2, allow_nan=False)
+    try:
+        evidence.write_text(text)
+    except OSError as exc:
+        typer.echo(text)  # the run's only record: not lost with the file
+        _usage_error(f"cannot write {evidence}: {exc.strerror or exc}; the evidence is above")
+    console.print(f"evidence: {evidence}")
     raise typer.Exit(exit_code(result))
+
+
+def _usage_error(message: str) -> NoReturn:
+    console.print(Text(message, style="red"))
+    raise typer.Exit(EXIT_USAGE)
+
+
+def _check_listed(option: str, value: int | None, listed: list[int]) -> None:
+    if value is not None and value not in listed:
+        shown = ", ".join(map(str, listed))
+        _usage_error(f"{option} {value}: not in the scope (it lists {shown})")
+
+
+def _check_writable(evidence: Path) -> None:
+    """The evidence file's folder exists (made here) and takes a new file in its place."""
+    try:
+        evidence.parent.mkdir(parents=True, exist_ok=True)
+        if evidence.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a directory")
+        with tempfile.NamedTemporaryFile(dir=evidence.parent, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        _usage_error(f"cannot write {evidence}: {exc.strerror or exc}")
 
 
 @app.command("import-vllm")
@@ -125,8 +161,13 @@ def detect_gpu_kind() -> str:
     if shutil.which("nvidia-smi") is None:
         return "cpu"
     query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-    done = subprocess.run(query, capture_output=True, text=True, timeout=30)
-    names = done.stdout.strip().splitlines()
+    try:
+        done = subprocess.run(query, capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        _usage_error("nvidia-smi did not answer in 30 s; pass --host-gpu")
+    except OSError as exc:
+        _usage_error(f"cannot run nvidia-smi: {exc.strerror or exc}; pass --host-gpu")
+    names = done.stdout.decode(errors="replace").strip().splitlines()
     return gpu_kind(names[0]) if done.returncode == 0 and names else "cpu"
 
 

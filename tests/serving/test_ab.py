@@ -8,6 +8,7 @@ The fake server stands in for vLLM, so the host is declared an H200 to let claim
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,8 @@ import yaml
 from typer.testing import CliRunner
 
 from harness.serving import accuracy
+from harness.serving import cli as serving_cli
 from harness.serving.ab import ABOptions, ABResult, check_serving_claims, run_ab, serve_params
-from harness.serving.cli import app
 from harness.serving.loadgen import make_prompts
 from scopes.manifest import Claim, ScopeManifest, validate_manifest
 from tests.serving.conftest import fake_serve_template
@@ -216,12 +217,84 @@ def test_the_cli_writes_serving_json(tmp_path: Path) -> None:
     scope_file.write_text(yaml.safe_dump(_accuracy_only([]), sort_keys=False))
     out = tmp_path / "out"
     args = ["ab", str(scope_file), "--out", str(out), "--host-gpu", "H200"]
-    done = CliRunner().invoke(app, args)
+    done = CliRunner().invoke(serving_cli.app, args)
     assert done.exit_code == 0, done.output
     data = json.loads((out / "serving.json").read_text())
     assert data["accuracy"]["greedy"]["exact_match_rate"] == 1.0
     assert data["params"]["model"] == "fake-model"
     assert sys.executable in data["arms"]["baseline"]["commands"][0]
+
+
+def _cli(tmp_path: Path, *options: str) -> Any:
+    scope_file = tmp_path / "fake-serving-ab.yaml"
+    scope_file.write_text(yaml.safe_dump(_accuracy_only([]), sort_keys=False))
+    return CliRunner().invoke(serving_cli.app, ["ab", str(scope_file), *options])
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        (["--cp", "0"], "--cp 0: not in the scope (it lists 1)"),
+        (["--gpus", "-1"], "--gpus -1: not in the scope (it lists 1)"),
+        (["--gpus", "99999999999999999999999"], "not in the scope"),
+        (["--seed", "-1"], "Invalid value for '--seed'"),
+        (["--host-gpu", "h200"], "--host-gpu h200: unknown GPU kind; known: H100, H200"),
+    ],
+)
+def test_bad_ab_options_exit_2_before_any_server_starts(
+    tmp_path: Path, options: list[str], words: str
+) -> None:
+    out = tmp_path / "out"
+    done = _cli(tmp_path, "--out", str(out), "--host-gpu", "H200", *options)
+    assert done.exit_code == 2 and words in done.output, done.output
+    assert "Traceback" not in done.output
+    assert not list(out.glob("**/*.log"))  # no server was started
+
+
+@pytest.mark.parametrize("blocker", ["out is a file", "serving.json is a folder"])
+def test_an_out_that_cannot_take_the_evidence_exits_2_before_any_server(
+    tmp_path: Path, blocker: str
+) -> None:
+    out = tmp_path / "out"
+    if blocker == "out is a file":
+        out.write_text("")
+    else:
+        (out / "serving.json").mkdir(parents=True)
+    done = _cli(tmp_path, "--out", str(out), "--host-gpu", "H200")
+    assert done.exit_code == 2 and f"cannot write {out / 'serving.json'}" in done.output
+    assert "Traceback" not in done.output and not list(tmp_path.glob("**/*.log"))
+
+
+def test_evidence_that_cannot_be_written_after_the_run_is_printed_not_lost(
+    tmp_path: Path, ab: ABResult, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder was writable when checked, then stopped being (disk full, a folder put in
+    the file's place): the finished A/B's JSON goes to stdout with the error, exit 2."""
+    out = tmp_path / "out"
+
+    def run_then_block(*args: object) -> ABResult:
+        (out / "serving.json").mkdir()
+        return ab
+
+    monkeypatch.setattr(serving_cli, "run_ab", run_then_block)
+    done = _cli(tmp_path, "--out", str(out), "--host-gpu", "H200")
+    assert done.exit_code == 2 and "the evidence is above" in done.output
+    printed = done.output[done.output.index("{") : done.output.rindex("}") + 1]
+    assert json.loads(printed)["scope"] == ab.scope
+
+
+def test_an_nvidia_smi_that_cannot_run_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/nonexistent/interpreter\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    done = _cli(tmp_path, "--out", str(tmp_path / "out"))
+    assert done.exit_code == 2 and "cannot run nvidia-smi" in done.output, done.output
+    assert "pass --host-gpu" in done.output
 
 
 def test_a_baseline_that_cannot_start_leaves_the_candidate_unstarted(tmp_path: Path) -> None:

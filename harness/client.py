@@ -110,7 +110,7 @@ def _call(
         raise ServiceError(_describe(response))
     try:
         reply = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         reply = None
     if not isinstance(reply, dict) or not all(key in reply for key in expect):
         raise ServiceError(
@@ -123,10 +123,14 @@ def _call(
 def _describe(response: httpx.Response) -> str:
     try:
         body = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):
+        body = None
+    if not isinstance(body, dict) or "detail" not in body:  # not pathgate's error reply
         return f"HTTP {response.status_code}: {response.text[:500]}"
-    lines = [f"HTTP {response.status_code}: {body.get('detail')}"]
-    for error in body.get("errors", []):
-        loc = ".".join(str(p) for p in error.get("loc", []))
-        lines.append(f"  {loc}: {error.get('msg')}")
+    lines = [f"HTTP {response.status_code}: {body['detail']}"]
+    errors = body.get("errors")
+    for error in errors if isinstance(errors, list) else []:
+        if isinstance(error, dict):
+            loc = ".".join(str(p) for p in error.get("loc") or [])
+            lines.append(f"  {loc}: {error.get('msg')}")
     return "\n".join(lines)

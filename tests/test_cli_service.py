@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -211,16 +212,21 @@ def test_submit_with_a_token_or_server_that_cannot_be_used_exits_2(
     assert result.exit_code == 2 and words in result.output, result.output
 
 
+Replies = list[bytes | tuple[int, bytes]]
+
+
 @pytest.fixture
-def not_pathgate() -> Iterator[tuple[str, list[bytes]]]:
-    """An HTTP server that answers every POST with 200 and whatever the test puts in the list."""
-    replies: list[bytes] = []
+def not_pathgate() -> Iterator[tuple[str, Replies]]:
+    """An HTTP server that answers every POST with whatever the test puts in the list: a body
+    (status 200) or a (status, body) pair."""
+    replies: Replies = []
 
     class Answer(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
-            self.send_response(200)
+            status, body = replies[0] if isinstance(replies[0], tuple) else (200, replies[0])
+            self.send_response(status)
             self.end_headers()
-            self.wfile.write(replies[0])
+            self.wfile.write(body)
 
         def log_message(self, *args: object) -> None:
             pass
@@ -233,7 +239,7 @@ def not_pathgate() -> Iterator[tuple[str, list[bytes]]]:
 
 @pytest.mark.parametrize("reply", [b"<html>a web page</html>", b'{"state": "queued"}', b"[1]"])
 def test_submit_to_a_server_that_is_not_pathgate_exits_2(
-    not_pathgate: tuple[str, list[bytes]], reply: bytes
+    not_pathgate: tuple[str, Replies], reply: bytes
 ) -> None:
     url, replies = not_pathgate
     replies.append(reply)
@@ -283,7 +289,7 @@ VLLM_RESULT = Path(__file__).resolve().parent / "fixtures" / "vllm_bench_serve_r
 
 
 def test_import_vllm_attach_to_a_server_that_is_not_pathgate_exits_2(
-    not_pathgate: tuple[str, list[bytes]],
+    not_pathgate: tuple[str, Replies],
 ) -> None:
     """A 201 that is not pathgate's reply was reported as attached."""
     url, replies = not_pathgate
@@ -292,6 +298,30 @@ def test_import_vllm_attach_to_a_server_that_is_not_pathgate_exits_2(
     result = CliRunner().invoke(app, ["serving", "import-vllm", str(VLLM_RESULT), *attach])
     assert result.exit_code == 2, result.output
     assert f"{url} is not a pathgate service" in result.output
+
+
+def test_an_error_reply_that_is_not_pathgates_is_shown_as_it_came(
+    not_pathgate: tuple[str, Replies],
+) -> None:
+    url, replies = not_pathgate
+    replies.append((404, b'["nope"]'))
+    attach = ["--attach", "1", "--server", url, "--token", "x"]
+    result = CliRunner().invoke(app, ["serving", "import-vllm", str(VLLM_RESULT), *attach])
+    assert result.exit_code == 2 and 'HTTP 404: ["nope"]' in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_result_file_whose_name_is_not_utf8_is_attached_under_a_readable_name(
+    not_pathgate: tuple[str, Replies], tmp_path: Path
+) -> None:
+    url, replies = not_pathgate
+    replies.append(b'{"id": 7, "sha256": "ab"}')
+    odd = tmp_path / os.fsdecode(b"r\xe9sult.json")  # Latin-1 name: not UTF-8
+    odd.write_bytes(VLLM_RESULT.read_bytes())
+    attach = ["--attach", "1", "--server", url, "--token", "x"]
+    result = CliRunner().invoke(app, ["serving", "import-vllm", str(odd), *attach])
+    assert result.exit_code == 0, result.output
+    assert "r\ufffdsult.json: attached to submission 1" in result.output
 
 
 @pytest.mark.parametrize(

@@ -78,7 +78,9 @@ async def _complete(
         return Completion("", None, f"HTTP {response.status_code}: {response.text[:300]}")
     try:
         choice = response.json()["choices"][0]
-    except (ValueError, KeyError, IndexError, TypeError):
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError):
+        choice = None
+    if not isinstance(choice, dict):
         return Completion("", None, f"no choices in the response: {response.text[:300]}")
     ids = choice.get("token_ids")
     return Completion(str(choice.get("text", "")), ids if isinstance(ids, list) else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -136,12 +137,14 @@ def _attach(files: list[Path], submission_id: int, server: str, token: str) -> N
     from harness.client import ServiceError, attach_serving_result
 
     for path in files:
+        # a file name that is not UTF-8 (kept by Python as surrogates) travels with U+FFFD
+        name = os.fsencode(path.name).decode("utf-8", "replace")
         try:
-            attach_serving_result(server, token, submission_id, path.name, path.read_bytes())
-        except ServiceError as exc:
-            console.print(Text(f"{path.name}: {exc}", style="red"))
+            attach_serving_result(server, token, submission_id, name, path.read_bytes())
+        except (ServiceError, OSError) as exc:
+            console.print(Text(f"{name}: {exc}", style="red"))
             raise typer.Exit(EXIT_USAGE) from None
-        console.print(f"{path.name}: attached to submission {submission_id}")
+        console.print(f"{name}: attached to submission {submission_id}")
 
 
 def _load_or_exit(scope: Path) -> ScopeManifest:

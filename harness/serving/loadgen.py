@@ -311,15 +311,18 @@ def _on_line(line: str, stream: _Stream, now_s: float) -> None:
         return
     try:
         event = json.loads(payload)
-    except json.JSONDecodeError:
-        stream.error = f"not JSON in the stream: {payload[:120]!r}"
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
+        event = None
+    if not isinstance(event, dict):
+        stream.error = f"not a JSON object in the stream: {payload[:120]!r}"
         return
     if "error" in event or event.get("object") == "error":
-        stream.error = f"server error in the stream: {json.dumps(event)[:300]}"
+        stream.error = f"server error in the stream: {payload[:300]}"
         return
-    choices = event.get("choices") or []
+    choices = event.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices else None
     # a chunk with only a finish_reason carries no token: it is not a token arrival
-    if choices and (choices[0].get("text") or choices[0].get("token_ids")):
+    if isinstance(first, dict) and (first.get("text") or first.get("token_ids")):
         stream.chunk_times_s.append(now_s)
     usage = event.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):

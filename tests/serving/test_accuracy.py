@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from harness.serving import accuracy
@@ -80,3 +82,18 @@ def test_lm_eval_results_without_gsm8k_scores_are_a_failure(tmp_path: Path) -> N
     _write_results(tmp_path, {"acc,none": 0.5})
     outcome = parse_lm_eval_results(tmp_path, limit=None)
     assert isinstance(outcome, Gsm8kFailed) and "no gsm8k exact_match scores" in outcome.error
+
+
+@pytest.mark.parametrize(
+    "body", [b'{"choices": ["x"]}', b'{"choices": [null]}', b'{"choices": "x"}', b"[" * 100_000]
+)
+def test_a_completion_reply_without_a_choice_object_is_that_prompts_error(body: bytes) -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+
+    async def complete() -> Completion:
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+            return await accuracy._complete(client, "m", [1, 2], 4)
+
+    completion = asyncio.run(complete())
+    assert completion.token_ids is None and completion.text == ""
+    assert completion.error is not None and completion.error.startswith("no choices")

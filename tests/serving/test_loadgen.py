@@ -22,6 +22,8 @@ from harness.serving.loadgen import (
     LoadRun,
     LoadSpec,
     ServerStopped,
+    _on_line,
+    _Stream,
     make_prompts,
     run_load,
 )
@@ -203,3 +205,21 @@ def test_cancelling_a_run_closes_its_streams(start_fake: StartFake) -> None:
 def test_run_results_are_plain_json(schedule_run: LoadRun) -> None:
     text = json.dumps(schedule_run.to_json(), allow_nan=False)
     assert json.loads(text)["ttft_ms"]["count"] == 16
+
+
+@pytest.mark.parametrize(
+    "payload", ["[1]", "1", '"text"', "null", "[" * 100_000, "1" * 5000, "{not json"]
+)
+def test_a_stream_line_that_is_not_a_json_object_fails_that_request(payload: str) -> None:
+    """A broken or hostile server: the request fails with the line quoted, the run goes on."""
+    stream = _Stream(start_s=0.0)
+    _on_line(f"data: {payload}", stream, 1.0)
+    assert stream.error is not None and stream.error.startswith("not a JSON object in the stream")
+    assert stream.chunk_times_s == []
+
+
+@pytest.mark.parametrize("choices", ['["x"]', "[]", '"x"', "[null]", "{}"])
+def test_a_chunk_whose_choices_are_not_objects_carries_no_token(choices: str) -> None:
+    stream = _Stream(start_s=0.0)
+    _on_line(f'data: {{"choices": {choices}}}', stream, 1.0)
+    assert stream.error is None and stream.chunk_times_s == []

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import math
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,7 @@ class ABResult:
     failures: list[str]  # an arm that did not start or whose server went away
     arms: dict[str, dict[str, Any]]  # per arm: serve commands, logs, raw runs
     claims: list[ClaimEvidence] = field(default_factory=list)
+    interrupted: bool = False  # SIGINT or SIGTERM: the runs finished before it are kept
 
     def to_json(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -163,13 +165,20 @@ class ABResult:
 def run_ab(manifest: ScopeManifest, options: ABOptions) -> ABResult:
     """Both arms, one after the other, then the rows, the accuracy comparison and the claims."""
     engine = _engine(manifest)
-    arms: dict[str, ArmResult] = {}
-    for name in ARMS:
-        if any(arm.failure for arm in arms.values()):
-            # a server start takes minutes on a large model; with no baseline there is no A/B
-            arms[name] = ArmResult(name, failure="not run: the baseline arm failed")
-        else:
-            arms[name] = run_arm(manifest, engine, name, options)
+    arms = {name: ArmResult(name) for name in ARMS}
+    interrupted = False
+    try:
+        for arm in arms.values():
+            if any(other.failure for other in arms.values()):
+                # a server start takes minutes on a large model; with no baseline there is no A/B
+                arm.failure = "not run: the baseline arm failed"
+            else:
+                run_arm(manifest, engine, arm, options)
+    except KeyboardInterrupt:  # the server is stopped by now (launched's finally)
+        interrupted = True
+        for arm in arms.values():
+            if arm.failure is None:
+                arm.failure = "interrupted" if arm.commands else "not run: interrupted"
     failures = [f"{a.arm}: {a.failure}" for a in arms.values() if a.failure]
     rows = [] if failures else compare_arms(manifest, engine, arms["baseline"], arms["candidate"])
     result = ABResult(
@@ -180,6 +189,7 @@ def run_ab(manifest: ScopeManifest, options: ABOptions) -> ABResult:
         accuracy=None if failures else _accuracy(engine, arms),
         failures=failures,
         arms={name: _arm_record(arm) for name, arm in arms.items()},
+        interrupted=interrupted,
     )
     return dataclasses.replace(result, claims=check_serving_claims(manifest.claims, result))
 
@@ -191,18 +201,22 @@ def _engine(manifest: ScopeManifest) -> EngineSpec:
 
 
 def run_arm(
-    manifest: ScopeManifest, engine: EngineSpec, arm_name: str, options: ABOptions
-) -> ArmResult:
-    """One arm: a server per speculative group; the first one also serves the accuracy prompts.
-    A server that fails ends the arm with its failure recorded (the log stays on disk)."""
-    result = ArmResult(arm_name)
+    manifest: ScopeManifest, engine: EngineSpec, result: ArmResult, options: ABOptions
+) -> None:
+    """One arm into `result`: a server per speculative group; the first one also serves the
+    accuracy prompts. A server that fails ends the arm with its failure recorded (the log stays
+    on disk); so does an error of pathgate's own, with its traceback in OUT/ARM-error.log."""
     for index, (speculative, workloads) in enumerate(_launch_groups(engine)):
         try:
             _serve_group(manifest, engine, result, index, speculative, workloads, options)
         except (LaunchError, ServerStopped) as exc:
             result.failure = str(exc)
-            break
-    return result
+            return
+        except Exception as exc:  # the runs so far stay in result, and so in serving.json
+            log = options.out_dir / f"{result.arm}-error.log"
+            log.write_text(traceback.format_exc())
+            result.failure = f"stopped by an internal error: {type(exc).__name__}: {exc} ({log})"
+            return
 
 
 def _launch_groups(

@@ -2,17 +2,21 @@
 
 A typer sub-app; harness/cli.py registers it. Exit codes follow `pathgate validate`: 0 when every
 serving claim is verified, 1 when one is refuted or an arm's server failed, 3 when a claim is
-inconclusive or not measurable here, 2 on a bad manifest, file or usage.
+inconclusive or not measurable here, 2 on a bad manifest, file or usage, 130 when interrupted
+(SIGINT or SIGTERM: the server is stopped and the runs finished so far are kept in serving.json).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -25,7 +29,7 @@ from harness.serving.ab import ABOptions, ABResult, run_ab, serve_params
 from harness.serving.vllm_import import VllmResultError, import_vllm_result
 from scopes.manifest import KNOWN_GPUS, ManifestError, ScopeManifest, load_manifest_file
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 app = typer.Typer(
     help="Engine-level A/B: the stock serving engine vs the specialized path.",
@@ -67,7 +71,8 @@ def ab_command(
         host_gpu=host_gpu or detect_gpu_kind(),
         seed=seed,
     )
-    result = run_ab(manifest, options)
+    with _sigterm_as_interrupt():
+        result = run_ab(manifest, options)
     _print_result(result)
     text = json.dumps(result.to_json(), indent=2, allow_nan=False)
     try:
@@ -77,6 +82,21 @@ def ab_command(
         _usage_error(f"cannot write {evidence}: {exc.strerror or exc}; the evidence is above")
     console.print(f"evidence: {evidence}")
     raise typer.Exit(exit_code(result))
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (`timeout`, a job scheduler's stop) as Ctrl-C: the server still running is
+    stopped, group and all, and the runs finished so far go to serving.json."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _usage_error(message: str) -> NoReturn:
@@ -175,6 +195,8 @@ def detect_gpu_kind() -> str:
 
 
 def exit_code(result: ABResult) -> int:
+    if result.interrupted:
+        return EXIT_INTERRUPTED
     statuses = {claim.status for claim in result.claims}
     if result.failures or "refuted" in statuses:
         return EXIT_FAIL

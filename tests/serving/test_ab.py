@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +307,64 @@ def test_a_baseline_that_cannot_start_leaves_the_candidate_unstarted(tmp_path: P
     assert [f.split(":")[0] for f in result.failures] == ["baseline", "candidate"]
     assert result.failures[1] == "candidate: not run: the baseline arm failed"
     assert result.arms["candidate"]["commands"] == []
+
+
+def test_an_internal_error_mid_arm_keeps_the_runs_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug of pathgate's own after the baseline's load ran: the arm fails with a one-line
+    reason, the traceback goes to OUT/baseline-error.log, and the runs stay in the result."""
+    from harness.serving import ab as ab_module
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ab_module, "_read_accuracy", broken)
+    engine = {
+        "baseline": _arm(1, "baseline-arm"),
+        "candidate": _arm(1, "candidate-arm"),
+        "workloads": [{"name": "decode", "input_len": 4, "output_len": 2, "num_prompts": 2}],
+    }
+    result = _run(_scope(engine, []), tmp_path)
+    log = tmp_path / "baseline-error.log"
+    reason = f"stopped by an internal error: RuntimeError: a bug ({log})"
+    assert result.failures[0] == f"baseline: {reason}"
+    assert "Traceback" in log.read_text()
+    assert result.arms["baseline"]["runs"]  # the load ran before the error
+    assert result.failures[1] == "candidate: not run: the baseline arm failed"
+
+
+def test_sigterm_stops_the_server_and_keeps_the_runs_so_far(tmp_path: Path) -> None:
+    """`timeout`'s or a scheduler's SIGTERM: the server's group is stopped (a vLLM left behind
+    holds its GPUs), serving.json records the interruption, exit 130."""
+    from harness.serving.launcher import group_members
+    from tests.serving.conftest import logged_pid
+
+    engine = {
+        "baseline": _arm(200, "baseline-arm"),  # 200 ms a token: the run outlives the signal
+        "candidate": _arm(1, "candidate-arm"),
+        "workloads": [{"name": "decode", "input_len": 4, "output_len": 50, "num_prompts": 8}],
+    }
+    scope_file = tmp_path / "scope.yaml"
+    scope_file.write_text(yaml.safe_dump(_scope(engine, []), sort_keys=False))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "harness.cli", "serving", "ab", str(scope_file)]
+    process = subprocess.Popen(
+        [*command, "--out", str(out), "--host-gpu", "H200"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    log = out / "baseline-server-0.log"
+    deadline = time.monotonic() + 60
+    while not (log.exists() and "pid=" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    server_pid = logged_pid(log)
+    time.sleep(2)  # serving requests by now
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=60)[0].decode()
+    assert process.returncode == 130, output
+    assert "Traceback" not in output
+    assert group_members(server_pid) == []  # the fake server leads its own group
+    data = json.loads((out / "serving.json").read_text())
+    assert data["interrupted"] is True
+    assert data["failures"] == ["baseline: interrupted", "candidate: not run: interrupted"]

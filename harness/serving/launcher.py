@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -95,7 +96,9 @@ SERVER_ENV_NAMES = (
     "LD_LIBRARY_PATH",
     "CUDA_VISIBLE_DEVICES",
     "NVIDIA_VISIBLE_DEVICES",
+    "CUDA_HOME",
     "HF_HOME",
+    "HF_HUB_CACHE",
     "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE",
     "NCCL_NVLS_ENABLE",
@@ -106,13 +109,17 @@ SERVER_ENV_PREFIXES = ("VLLM_",)
 
 
 def server_environment() -> dict[str, str]:
-    """The allow-listed part of this process's environment that a server inherits."""
-    return {
+    """The allow-listed part of this process's environment that a server inherits, with the
+    folder of this Python first on PATH: `vllm` installed beside pathgate (`pip install
+    '.[vllm]'` in its virtualenv) is found without activating the virtualenv."""
+    env = {
         name: value
         for name, value in os.environ.items()
         if name in SERVER_ENV_NAMES
         or (name.startswith(SERVER_ENV_PREFIXES) and "TOKEN" not in name and "KEY" not in name)
     }
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
+    return env
 
 
 def _start(
@@ -130,9 +137,16 @@ def _start(
                 env=env,
                 start_new_session=True,
             )
-        except OSError as exc:
-            raise LaunchError(f"cannot start {command[0]!r}: {exc.strerror}") from None
+        except (OSError, ValueError) as exc:  # ValueError: a NUL the manifest should have refused
+            raise LaunchError(f"cannot start {command[0]!r}: {_why_not(command[0], exc)}") from None
     return RunningServer(process, f"http://127.0.0.1:{port}", log_path, command)
+
+
+def _why_not(program: str, exc: OSError | ValueError) -> str:
+    if isinstance(exc, FileNotFoundError) and "/" not in program:
+        hint = " (vLLM: pip install '.[vllm]' beside pathgate)" if program == "vllm" else ""
+        return f"not found on PATH{hint}"
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
 def _wait_healthy(server: RunningServer, health_path: str, timeout_s: float) -> None:

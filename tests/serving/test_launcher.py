@@ -3,7 +3,9 @@ never healthy are errors carrying the log tail, and teardown leaves no process o
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -104,3 +106,23 @@ def test_the_server_gets_no_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     env = launcher.server_environment()
     assert env["VLLM_USE_V1"] == "1" and env["HF_HOME"] == "/models"
     assert not [name for name, value in env.items() if "secret" in value]
+
+
+def test_a_vllm_beside_pathgate_is_found_without_activating_its_virtualenv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`pip install '.[vllm]'` puts `vllm` beside this Python; a shell that never activated
+    the virtualenv has no such folder on PATH."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    path = launcher.server_environment()["PATH"].split(os.pathsep)
+    assert path == [str(Path(sys.executable).parent), "/usr/bin", "/bin"]
+
+
+def test_a_program_not_on_path_is_named_with_how_to_install_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(launcher.sys, "executable", str(tmp_path / "python"))
+    message = _launch_error(["vllm", "serve", "m"], free_port(), tmp_path / "log")
+    hint = "(vLLM: pip install '.[vllm]' beside pathgate)"
+    assert message == f"cannot start 'vllm': not found on PATH {hint}"

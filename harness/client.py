@@ -131,6 +131,7 @@ def _describe(response: httpx.Response) -> str:
     errors = body.get("errors")
     for error in errors if isinstance(errors, list) else []:
         if isinstance(error, dict):
-            loc = ".".join(str(p) for p in error.get("loc") or [])
-            lines.append(f"  {loc}: {error.get('msg')}")
+            loc = error.get("loc")
+            where = ".".join(map(str, loc)) if isinstance(loc, list) else str(loc)
+            lines.append(f"  {where}: {error.get('msg')}")
     return "\n".join(lines)

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from scopes.engine import EngineSpec
+from scopes.engine import MAX_CONCURRENCY, EngineSpec
 
 KNOWN_GPUS = ("H100", "H200", "B200", "GB200", "GB300", "MI300X", "cpu")
 GpuKind = Literal["H100", "H200", "B200", "GB200", "GB300", "MI300X", "cpu"]
@@ -210,6 +210,18 @@ class ScopeManifest(Strict):
                 raise ValueError(
                     f"claim '{claim.describe()}' names {claim.hardware}, "
                     f"which is not in hardware.gpu"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_concurrency_bounded(self) -> ScopeManifest:
+        """A workload without `concurrency` runs the batch grid as concurrency levels."""
+        batch = self.workload.batch
+        for workload in self.engine.workloads if self.engine else []:
+            if workload.concurrency is None and batch.max > MAX_CONCURRENCY:
+                raise ValueError(
+                    f"engine workload {workload.name} runs the batch grid up to {batch.max} "
+                    f"concurrent requests, over {MAX_CONCURRENCY}: give it a concurrency list"
                 )
         return self
 

@@ -300,14 +300,21 @@ def test_import_vllm_attach_to_a_server_that_is_not_pathgate_exits_2(
     assert f"{url} is not a pathgate service" in result.output
 
 
+@pytest.mark.parametrize(
+    ("reply", "shown"),
+    [
+        ((404, b'["nope"]'), 'HTTP 404: ["nope"]'),
+        ((422, b'{"detail": "bad", "errors": [{"loc": 5, "msg": "m"}, 1]}'), "  5: m"),
+    ],
+)
 def test_an_error_reply_that_is_not_pathgates_is_shown_as_it_came(
-    not_pathgate: tuple[str, Replies],
+    not_pathgate: tuple[str, Replies], reply: tuple[int, bytes], shown: str
 ) -> None:
     url, replies = not_pathgate
-    replies.append((404, b'["nope"]'))
+    replies.append(reply)
     attach = ["--attach", "1", "--server", url, "--token", "x"]
     result = CliRunner().invoke(app, ["serving", "import-vllm", str(VLLM_RESULT), *attach])
-    assert result.exit_code == 2 and 'HTTP 404: ["nope"]' in result.output, result.output
+    assert result.exit_code == 2 and shown in result.output, result.output
     assert "Traceback" not in result.output
 
 

@@ -213,9 +213,14 @@ def run_arm(
             result.failure = str(exc)
             return
         except Exception as exc:  # the runs so far stay in result, and so in serving.json
+            reason = f"stopped by an internal error: {type(exc).__name__}: {exc}"[:500]
             log = options.out_dir / f"{result.arm}-error.log"
-            log.write_text(traceback.format_exc())
-            result.failure = f"stopped by an internal error: {type(exc).__name__}: {exc} ({log})"
+            try:
+                log.write_text(traceback.format_exc())
+            except OSError as write_error:
+                result.failure = f"{reason} (traceback not saved: {write_error.strerror})"
+            else:
+                result.failure = f"{reason} ({log})"
             return
 
 

@@ -82,8 +82,10 @@ async def _complete(
         choice = None
     if not isinstance(choice, dict):
         return Completion("", None, f"no choices in the response: {response.text[:300]}")
-    ids = choice.get("token_ids")
-    return Completion(str(choice.get("text", "")), ids if isinstance(ids, list) else None)
+    text, ids = choice.get("text", ""), choice.get("token_ids")
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        ids = None  # absent, or not token ids: compared as words instead
+    return Completion(text if isinstance(text, str) else "", ids)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,12 @@ def _sigterm_as_interrupt() -> Iterator[None]:
     stopped, group and all, and the runs finished so far go to serving.json."""
 
     def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+        # as SIGINT, not a KeyboardInterrupt raised here: inside the load generator's event
+        # loop asyncio.run's own SIGINT handler cancels the requests cleanly
+        if callable(signal.getsignal(signal.SIGINT)):
+            signal.raise_signal(signal.SIGINT)
+        else:  # SIGINT ignored (a script's background job): nothing would take it
+            raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
@@ -190,8 +195,11 @@ def detect_gpu_kind() -> str:
         _usage_error("nvidia-smi did not answer in 30 s; pass --host-gpu")
     except OSError as exc:
         _usage_error(f"cannot run nvidia-smi: {exc.strerror or exc}; pass --host-gpu")
+    if done.returncode != 0:
+        said = done.stderr.decode(errors="replace").strip().splitlines() or [""]
+        _usage_error(f"nvidia-smi failed (exit {done.returncode}) {said[0]}; pass --host-gpu")
     names = done.stdout.decode(errors="replace").strip().splitlines()
-    return gpu_kind(names[0]) if done.returncode == 0 and names else "cpu"
+    return gpu_kind(names[0]) if names else "cpu"
 
 
 def exit_code(result: ABResult) -> int:

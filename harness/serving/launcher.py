@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -180,14 +181,38 @@ def stop(server: RunningServer, term_grace_s: float = TERM_GRACE_S) -> None:
     """SIGTERM to the group, wait, SIGKILL to whatever is left; return once the group is gone.
 
     The leader is reaped here; other members (vLLM's workers) are the leader's children and are
-    reaped by init once orphaned, so they count as gone once they are zombies.
+    reaped by init once orphaned, so they count as gone once they are zombies. A second Ctrl-C
+    or SIGTERM waits until the group is gone: delivered mid-way it would skip the SIGKILL.
     """
-    _signal_group(server.pgid, signal.SIGTERM)
-    if not _wait_group_gone(server, term_grace_s):
-        _signal_group(server.pgid, signal.SIGKILL)
-        _wait_group_gone(server, KILL_WAIT_S)
-    if server.process.poll() is None:
-        server.process.wait(timeout=KILL_WAIT_S)
+    with _interrupts_deferred():
+        _signal_group(server.pgid, signal.SIGTERM)
+        if not _wait_group_gone(server, term_grace_s):
+            _signal_group(server.pgid, signal.SIGKILL)
+            _wait_group_gone(server, KILL_WAIT_S)
+        if server.process.poll() is None:
+            server.process.wait(timeout=KILL_WAIT_S)
+
+
+@contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM arriving inside the block reach their handlers once it ends. Python
+    runs signal handlers on the main thread only, so elsewhere there is nothing to defer."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    deferred = (signal.SIGINT, signal.SIGTERM)
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: pending.append(signum)) for sig in deferred
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python, left as it is
+                signal.signal(sig, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -319,14 +319,20 @@ def _on_line(line: str, stream: _Stream, now_s: float) -> None:
     if "error" in event or event.get("object") == "error":
         stream.error = f"server error in the stream: {payload[:300]}"
         return
-    choices = event.get("choices")
-    first = choices[0] if isinstance(choices, list) and choices else None
+    choices = event.get("choices", [])  # [] in the usage-only chunk at the end
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        stream.error = f"a chunk whose choices are not objects: {payload[:120]!r}"
+        return
     # a chunk with only a finish_reason carries no token: it is not a token arrival
-    if isinstance(first, dict) and (first.get("text") or first.get("token_ids")):
+    if choices and (choices[0].get("text") or choices[0].get("token_ids")):
         stream.chunk_times_s.append(now_s)
     usage = event.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        stream.usage_tokens = usage["completion_tokens"]
+    if isinstance(usage, dict) and "completion_tokens" in usage:
+        count = usage["completion_tokens"]
+        if type(count) is not int or not 0 <= count < 2**31:  # bool is an int subclass
+            stream.error = f"a usage count that is not a token count: {payload[:120]!r}"
+            return
+        stream.usage_tokens = count
 
 
 async def _spec_counters(

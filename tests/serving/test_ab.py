@@ -286,17 +286,25 @@ def test_evidence_that_cannot_be_written_after_the_run_is_printed_not_lost(
     assert json.loads(printed)["scope"] == ab.scope
 
 
-def test_an_nvidia_smi_that_cannot_run_is_a_usage_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("script", "words"),
+    [
+        ("#!/nonexistent/interpreter\n", "cannot run nvidia-smi: No such file or directory"),
+        # it ran and failed: taking the host for a CPU one would judge no claim (exit 3)
+        ("#!/bin/sh\necho 'NVML: driver mismatch' >&2\nexit 9\n", "failed (exit 9) NVML"),
+    ],
+)
+def test_an_nvidia_smi_that_fails_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str, words: str
 ) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/nonexistent/interpreter\n")
+    smi.write_text(script)
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     done = _cli(tmp_path, "--out", str(tmp_path / "out"))
-    assert done.exit_code == 2 and "cannot run nvidia-smi" in done.output, done.output
+    assert done.exit_code == 2 and words in done.output, done.output
     assert "pass --host-gpu" in done.output
 
 
@@ -332,6 +340,23 @@ def test_an_internal_error_mid_arm_keeps_the_runs_before_it(
     assert "Traceback" in log.read_text()
     assert result.arms["baseline"]["runs"]  # the load ran before the error
     assert result.failures[1] == "candidate: not run: the baseline arm failed"
+
+
+def test_an_internal_error_whose_log_cannot_be_written_still_keeps_the_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harness.serving import ab as ab_module
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ab_module, "_read_accuracy", broken)
+    (tmp_path / "baseline-error.log").mkdir()  # a full disk or such: the write fails
+    result = _run(_accuracy_only([]), tmp_path)
+    assert result.failures[0] == (
+        "baseline: stopped by an internal error: RuntimeError: a bug "
+        "(traceback not saved: Is a directory)"
+    )
 
 
 def test_sigterm_stops_the_server_and_keeps_the_runs_so_far(tmp_path: Path) -> None:

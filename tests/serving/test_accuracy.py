@@ -97,3 +97,26 @@ def test_a_completion_reply_without_a_choice_object_is_that_prompts_error(body: 
     completion = asyncio.run(complete())
     assert completion.token_ids is None and completion.text == ""
     assert completion.error is not None and completion.error.startswith("no choices")
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        ({"text": "a b", "token_ids": [1, 2]}, Completion("a b", [1, 2])),
+        # nested 900 deep, the evidence's JSON writer overflowed the stack and lost the A/B
+        ({"text": "a", "token_ids": [[[]]] * 2}, Completion("a", None)),
+        ({"text": "a", "token_ids": [1, True]}, Completion("a", None)),
+        ({"text": ["a"], "token_ids": "12"}, Completion("", None)),
+    ],
+)
+def test_token_ids_that_are_not_ints_are_compared_as_words(
+    choice: dict, expected: Completion
+) -> None:
+    body = json.dumps({"choices": [choice]}).encode()
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+
+    async def complete() -> Completion:
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+            return await accuracy._complete(client, "m", [1, 2], 4)
+
+    assert asyncio.run(complete()) == expected

@@ -140,6 +140,18 @@ def test_a_nul_character_in_the_model_id_is_refused() -> None:
         load_manifest(yaml.safe_dump(data, sort_keys=False))
 
 
+def test_the_batch_grid_as_concurrency_is_bounded_like_an_explicit_list() -> None:
+    """A workload without `concurrency` runs the batch grid: a batch max of 10^9 held that many
+    requests in flight (a MemoryError an hour into the A/B)."""
+    data = {**BASE, "engine": ENGINE}
+    data["workload"] = {**BASE["workload"], "batch": {"min": 1, "max": 10**9}}
+    with pytest.raises(ManifestError, match="decode-1k runs the batch grid up to 1000000000"):
+        load_manifest(yaml.safe_dump(data, sort_keys=False))
+    listed = {**ENGINE["workloads"][0], "concurrency": [1, 64]}
+    data["engine"] = {**ENGINE, "workloads": [listed]}
+    assert load_manifest(yaml.safe_dump(data, sort_keys=False)).engine is not None
+
+
 def test_duplicate_workload_names_are_refused() -> None:
     first = ENGINE["workloads"][0]
     problems = _problems({**ENGINE, "workloads": [first, first]})

@@ -4,8 +4,10 @@ never healthy are errors carrying the log tail, and teardown leaves no process o
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -126,3 +128,21 @@ def test_a_program_not_on_path_is_named_with_how_to_install_vllm(
     message = _launch_error(["vllm", "serve", "m"], free_port(), tmp_path / "log")
     hint = "(vLLM: pip install '.[vllm]' beside pathgate)"
     assert message == f"cannot start 'vllm': not found on PATH {hint}"
+
+
+def test_a_second_interrupt_during_teardown_still_kills_the_group(tmp_path: Path) -> None:
+    """Ctrl-C twice (or SIGTERM then Ctrl-C): the second arrives while the first one's teardown
+    waits out the grace period; it must not skip the SIGKILL of a worker ignoring SIGTERM."""
+    port, log = free_port(), tmp_path / "server.log"
+    command = fake_command(port, "--spawn-term-ignoring-child")
+    second = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    with (
+        pytest.raises(KeyboardInterrupt),  # delivered once the group is gone
+        launched(command, port=port, log_path=log, term_grace_s=1.5) as server,
+    ):
+        child = logged_pid(log, "child pid")
+        pgid = server.pgid
+        second.start()  # fires inside stop(), during the grace period
+    second.join()
+    assert _gone(child), "the SIGTERM-ignoring worker must be SIGKILLed"
+    assert group_members(pgid) == []

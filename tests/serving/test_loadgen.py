@@ -218,8 +218,24 @@ def test_a_stream_line_that_is_not_a_json_object_fails_that_request(payload: str
     assert stream.chunk_times_s == []
 
 
-@pytest.mark.parametrize("choices", ['["x"]', "[]", '"x"', "[null]", "{}"])
-def test_a_chunk_whose_choices_are_not_objects_carries_no_token(choices: str) -> None:
+@pytest.mark.parametrize("choices", ['["x"]', '"x"', "[null]", "{}", "[1]"])
+def test_a_chunk_whose_choices_are_not_objects_fails_that_request(choices: str) -> None:
+    """Counted as a success it would be a request of no tokens that lowers the arm's figures."""
     stream = _Stream(start_s=0.0)
     _on_line(f'data: {{"choices": {choices}}}', stream, 1.0)
-    assert stream.error is None and stream.chunk_times_s == []
+    assert stream.error is not None and "choices are not objects" in stream.error
+
+
+def test_the_usage_only_chunk_at_the_end_is_no_token_and_no_error() -> None:
+    stream = _Stream(start_s=0.0)
+    _on_line('data: {"choices": [], "usage": {"completion_tokens": 7}}', stream, 1.0)
+    assert stream.error is None and stream.chunk_times_s == [] and stream.usage_tokens == 7
+
+
+@pytest.mark.parametrize("count", ["-5", "true", "1" * 400, '"3"', "2.5", "null"])
+def test_a_usage_count_that_is_not_a_token_count_fails_that_request(count: str) -> None:
+    """-5 gave negative tokens per second, true one token, 400 digits an OverflowError."""
+    stream = _Stream(start_s=0.0)
+    _on_line(f'data: {{"choices": [], "usage": {{"completion_tokens": {count}}}}}', stream, 1.0)
+    assert stream.error is not None and "not a token count" in stream.error
+    assert stream.usage_tokens is None

@@ -100,7 +100,9 @@ class ServingWorkload(EngineStrict):
     output_len: int = Field(ge=2, le=MAX_TOKENS_PER_REQUEST)
     num_prompts: int = Field(ge=1, le=MAX_PROMPTS)  # requests per run
     # Closed-loop request concurrency; None: the scope's batch grid (default_concurrency).
-    concurrency: list[Annotated[int, Field(ge=1, le=MAX_CONCURRENCY)]] | None = None
+    concurrency: list[Annotated[int, Field(ge=1, le=MAX_CONCURRENCY)]] | None = Field(
+        None, min_length=1
+    )
     repeats: int = Field(3, ge=1, le=100)  # runs per (arm, concurrency): the samples of the CI
     # Passed to the server as --speculative-config '<json>', e.g. {method: eagle3, ...}
     speculative: dict[str, Any] | None = None

@@ -35,7 +35,13 @@ from harness.serving.accuracy import (
     run_gsm8k,
 )
 from harness.serving.jsonable import jsonable
-from harness.serving.launcher import LaunchError, RunningServer, free_port, launched
+from harness.serving.launcher import (
+    LaunchError,
+    RunningServer,
+    free_port,
+    interrupts_deferred,
+    launched,
+)
 from harness.serving.loadgen import LoadRun, LoadSpec, ServerStopped, make_prompts, run_load
 from scopes.engine import Arm, EngineSpec, ServingWorkload, render_serve
 from scopes.manifest import SERVING_METRICS, Claim, ScopeManifest
@@ -179,6 +185,14 @@ def run_ab(manifest: ScopeManifest, options: ABOptions) -> ABResult:
         for arm in arms.values():
             if arm.failure is None:
                 arm.failure = "interrupted" if arm.commands else "not run: interrupted"
+    with interrupts_deferred(reraise=False) as late:  # the runs done are analysed whole
+        result = _analyse(manifest, engine, arms, options)
+    return dataclasses.replace(result, interrupted=interrupted or bool(late))
+
+
+def _analyse(
+    manifest: ScopeManifest, engine: EngineSpec, arms: dict[str, ArmResult], options: ABOptions
+) -> ABResult:
     failures = [f"{a.arm}: {a.failure}" for a in arms.values() if a.failure]
     rows = [] if failures else compare_arms(manifest, engine, arms["baseline"], arms["candidate"])
     result = ABResult(
@@ -189,7 +203,6 @@ def run_ab(manifest: ScopeManifest, options: ABOptions) -> ABResult:
         accuracy=None if failures else _accuracy(engine, arms),
         failures=failures,
         arms={name: _arm_record(arm) for name, arm in arms.items()},
-        interrupted=interrupted,
     )
     return dataclasses.replace(result, claims=check_serving_claims(manifest.claims, result))
 

@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from harness.serving.ab import ABOptions, ABResult, run_ab, serve_params
+from harness.serving.launcher import interrupts_deferred
 from harness.serving.vllm_import import VllmResultError, import_vllm_result
 from scopes.manifest import KNOWN_GPUS, ManifestError, ScopeManifest, load_manifest_file
 
@@ -73,7 +74,13 @@ def ab_command(
     )
     with _sigterm_as_interrupt():
         result = run_ab(manifest, options)
-    _print_result(result)
+    with interrupts_deferred(reraise=False) as late:  # the evidence is written whole
+        _print_result(result)
+        _write_evidence(evidence, result)
+    raise typer.Exit(EXIT_INTERRUPTED if late else exit_code(result))
+
+
+def _write_evidence(evidence: Path, result: ABResult) -> None:
     text = json.dumps(result.to_json(), indent=2, allow_nan=False)
     try:
         evidence.write_text(text)
@@ -81,7 +88,6 @@ def ab_command(
         typer.echo(text)  # the run's only record: not lost with the file
         _usage_error(f"cannot write {evidence}: {exc.strerror or exc}; the evidence is above")
     console.print(f"evidence: {evidence}")
-    raise typer.Exit(exit_code(result))
 
 
 @contextlib.contextmanager
@@ -196,7 +202,8 @@ def detect_gpu_kind() -> str:
     except OSError as exc:
         _usage_error(f"cannot run nvidia-smi: {exc.strerror or exc}; pass --host-gpu")
     if done.returncode != 0:
-        said = done.stderr.decode(errors="replace").strip().splitlines() or [""]
+        # nvidia-smi prints its own errors on stdout
+        said = (done.stderr or done.stdout).decode(errors="replace").strip().splitlines() or [""]
         _usage_error(f"nvidia-smi failed (exit {done.returncode}) {said[0]}; pass --host-gpu")
     names = done.stdout.decode(errors="replace").strip().splitlines()
     return gpu_kind(names[0]) if names else "cpu"

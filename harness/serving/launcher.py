@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,7 +82,11 @@ def launched(
         _wait_healthy(server, health_path, startup_timeout_s)
         yield server
     finally:
-        stop(server, term_grace_s)
+        try:
+            stop(server, term_grace_s)
+        except KeyboardInterrupt:  # it landed before stop() deferred the next ones
+            stop(server, term_grace_s)
+            raise
 
 
 # The engine runs contributed code: it gets the host's CUDA, driver, Python and Hugging Face
@@ -119,7 +124,8 @@ def server_environment() -> dict[str, str]:
         if name in SERVER_ENV_NAMES
         or (name.startswith(SERVER_ENV_PREFIXES) and "TOKEN" not in name and "KEY" not in name)
     }
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
+    # last: a `python` or `vllm` of the caller's own PATH (an activated environment) wins
+    env["PATH"] = os.pathsep.join([env.get("PATH", os.defpath), str(Path(sys.executable).parent)])
     return env
 
 
@@ -139,12 +145,18 @@ def _start(
                 start_new_session=True,
             )
         except (OSError, ValueError) as exc:  # ValueError: a NUL the manifest should have refused
-            raise LaunchError(f"cannot start {command[0]!r}: {_why_not(command[0], exc)}") from None
+            why = _why_not(command[0], env["PATH"], exc)
+            raise LaunchError(f"cannot start {command[0]!r}: {why}") from None
     return RunningServer(process, f"http://127.0.0.1:{port}", log_path, command)
 
 
-def _why_not(program: str, exc: OSError | ValueError) -> str:
-    if isinstance(exc, FileNotFoundError) and "/" not in program:
+def _why_not(program: str, path: str, exc: OSError | ValueError) -> str:
+    # found on PATH but not started: its #! interpreter is missing (a moved virtualenv)
+    if (
+        isinstance(exc, FileNotFoundError)
+        and "/" not in program
+        and not shutil.which(program, path=path)
+    ):
         hint = " (vLLM: pip install '.[vllm]' beside pathgate)" if program == "vllm" else ""
         return f"not found on PATH{hint}"
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -184,7 +196,7 @@ def stop(server: RunningServer, term_grace_s: float = TERM_GRACE_S) -> None:
     reaped by init once orphaned, so they count as gone once they are zombies. A second Ctrl-C
     or SIGTERM waits until the group is gone: delivered mid-way it would skip the SIGKILL.
     """
-    with _interrupts_deferred():
+    with interrupts_deferred(reraise=True):
         _signal_group(server.pgid, signal.SIGTERM)
         if not _wait_group_gone(server, term_grace_s):
             _signal_group(server.pgid, signal.SIGKILL)
@@ -194,24 +206,25 @@ def stop(server: RunningServer, term_grace_s: float = TERM_GRACE_S) -> None:
 
 
 @contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM arriving inside the block reach their handlers once it ends. Python
+def interrupts_deferred(reraise: bool) -> Iterator[list[int]]:
+    """SIGINT and SIGTERM arriving inside the block are held; it yields the list they go to.
+    At its end they reach their handlers (reraise) or are left to the caller to act on. Python
     runs signal handlers on the main thread only, so elsewhere there is nothing to defer."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     pending: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pending
+        return
     deferred = (signal.SIGINT, signal.SIGTERM)
     previous = {
         sig: signal.signal(sig, lambda signum, frame: pending.append(signum)) for sig in deferred
     }
     try:
-        yield
+        yield pending
     finally:
         for sig, handler in previous.items():
             if handler is not None:  # None: a handler not set from Python, left as it is
                 signal.signal(sig, handler)
-        for signum in dict.fromkeys(pending):
+        for signum in dict.fromkeys(pending) if reraise else ():
             signal.raise_signal(signum)
 
 

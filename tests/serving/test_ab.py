@@ -292,6 +292,7 @@ def test_evidence_that_cannot_be_written_after_the_run_is_printed_not_lost(
         ("#!/nonexistent/interpreter\n", "cannot run nvidia-smi: No such file or directory"),
         # it ran and failed: taking the host for a CPU one would judge no claim (exit 3)
         ("#!/bin/sh\necho 'NVML: driver mismatch' >&2\nexit 9\n", "failed (exit 9) NVML"),
+        ("#!/bin/sh\necho 'No devices were found'\nexit 6\n", "failed (exit 6) No devices"),
     ],
 )
 def test_an_nvidia_smi_that_fails_is_a_usage_error(
@@ -357,6 +358,29 @@ def test_an_internal_error_whose_log_cannot_be_written_still_keeps_the_runs(
         "baseline: stopped by an internal error: RuntimeError: a bug "
         "(traceback not saved: Is a directory)"
     )
+
+
+def test_an_interrupt_while_the_arms_are_compared_keeps_the_whole_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both arms done, then Ctrl-C: the rows are still computed and the result says it was
+    interrupted (it was lost with every run)."""
+    from harness.serving import ab as ab_module
+
+    compare = ab_module.compare_arms
+
+    def compare_then_interrupted(*args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        return compare(*args)
+
+    monkeypatch.setattr(ab_module, "compare_arms", compare_then_interrupted)
+    engine = {
+        "baseline": _arm(1, "baseline-arm"),
+        "candidate": _arm(1, "candidate-arm"),
+        "workloads": [{"name": "decode", "input_len": 4, "output_len": 2, "num_prompts": 2}],
+    }
+    result = _run(_scope(engine, []), tmp_path)
+    assert result.interrupted and result.rows and result.failures == []
 
 
 def test_sigterm_stops_the_server_and_keeps_the_runs_so_far(tmp_path: Path) -> None:

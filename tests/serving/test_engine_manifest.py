@@ -103,6 +103,8 @@ def test_unknown_placeholder_message_lists_the_allowed_ones() -> None:
         ({"extra": 1}, "engine.workloads.0.extra", "unknown field"),
         ({"output_len": 1}, "engine.workloads.0.output_len", "greater than or equal to 2"),
         ({"concurrency": [2, 2]}, "engine.workloads.0.concurrency", "distinct"),
+        # empty ran the batch grid, past the bound on the grid
+        ({"concurrency": []}, "engine.workloads.0.concurrency", "at least 1 item"),
         ({"name": "Decode 1k"}, "engine.workloads.0.name", "workload name"),
         ({"input_len": 10**11}, "engine.workloads.0.input_len", "less than or equal"),
         ({"num_prompts": 10**6}, "engine.workloads.0.num_prompts", "less than or equal"),

@@ -114,10 +114,11 @@ def test_a_vllm_beside_pathgate_is_found_without_activating_its_virtualenv(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`pip install '.[vllm]'` puts `vllm` beside this Python; a shell that never activated
-    the virtualenv has no such folder on PATH."""
+    the virtualenv has no such folder on PATH. Last: an activated environment's `python` or
+    `vllm` (a serve template's `python -m ...`) still wins."""
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     path = launcher.server_environment()["PATH"].split(os.pathsep)
-    assert path == [str(Path(sys.executable).parent), "/usr/bin", "/bin"]
+    assert path == ["/usr/bin", "/bin", str(Path(sys.executable).parent)]
 
 
 def test_a_program_not_on_path_is_named_with_how_to_install_vllm(
@@ -146,3 +147,15 @@ def test_a_second_interrupt_during_teardown_still_kills_the_group(tmp_path: Path
     second.join()
     assert _gone(child), "the SIGTERM-ignoring worker must be SIGKILLed"
     assert group_members(pgid) == []
+
+
+def test_a_program_on_path_whose_interpreter_is_gone_is_not_called_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A moved virtualenv: `vllm` is on PATH, its #! interpreter is not."""
+    script = tmp_path / "vllm"
+    script.write_text("#!/nonexistent/python\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    message = _launch_error(["vllm", "serve", "m"], free_port(), tmp_path / "log")
+    assert message == "cannot start 'vllm': No such file or directory"

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from harness.serving import ab as ab_module
 from harness.serving import accuracy
 from harness.serving import cli as serving_cli
 from harness.serving.ab import ABOptions, ABResult, check_serving_claims, run_ab, serve_params
@@ -318,23 +319,27 @@ def test_a_baseline_that_cannot_start_leaves_the_candidate_unstarted(tmp_path: P
     assert result.arms["candidate"]["commands"] == []
 
 
-def test_an_internal_error_mid_arm_keeps_the_runs_before_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A bug of pathgate's own after the baseline's load ran: the arm fails with a one-line
-    reason, the traceback goes to OUT/baseline-error.log, and the runs stay in the result."""
-    from harness.serving import ab as ab_module
-
-    def broken(*args: object) -> None:
-        raise RuntimeError("a bug")
-
-    monkeypatch.setattr(ab_module, "_read_accuracy", broken)
+def _small_load_scope() -> dict[str, Any]:
+    """Fast arms with one short workload: each arm's load runs before its accuracy prompts."""
     engine = {
         "baseline": _arm(1, "baseline-arm"),
         "candidate": _arm(1, "candidate-arm"),
         "workloads": [{"name": "decode", "input_len": 4, "output_len": 2, "num_prompts": 2}],
     }
-    result = _run(_scope(engine, []), tmp_path)
+    return _scope(engine, [])
+
+
+def _a_bug(*args: object) -> None:
+    raise RuntimeError("a bug")
+
+
+def test_an_internal_error_mid_arm_keeps_the_runs_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug of pathgate's own after the baseline's load ran: the arm fails with a one-line
+    reason, the traceback goes to OUT/baseline-error.log, and the runs stay in the result."""
+    monkeypatch.setattr(ab_module, "_read_accuracy", _a_bug)
+    result = _run(_small_load_scope(), tmp_path)
     log = tmp_path / "baseline-error.log"
     reason = f"stopped by an internal error: RuntimeError: a bug ({log})"
     assert result.failures[0] == f"baseline: {reason}"
@@ -346,12 +351,7 @@ def test_an_internal_error_mid_arm_keeps_the_runs_before_it(
 def test_an_internal_error_whose_log_cannot_be_written_still_keeps_the_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from harness.serving import ab as ab_module
-
-    def broken(*args: object) -> None:
-        raise RuntimeError("a bug")
-
-    monkeypatch.setattr(ab_module, "_read_accuracy", broken)
+    monkeypatch.setattr(ab_module, "_read_accuracy", _a_bug)
     (tmp_path / "baseline-error.log").mkdir()  # a full disk or such: the write fails
     result = _run(_accuracy_only([]), tmp_path)
     assert result.failures[0] == (
@@ -365,8 +365,6 @@ def test_an_interrupt_while_the_arms_are_compared_keeps_the_whole_result(
 ) -> None:
     """Both arms done, then Ctrl-C: the rows are still computed and the result says it was
     interrupted (it was lost with every run)."""
-    from harness.serving import ab as ab_module
-
     compare = ab_module.compare_arms
 
     def compare_then_interrupted(*args: Any) -> Any:
@@ -374,12 +372,7 @@ def test_an_interrupt_while_the_arms_are_compared_keeps_the_whole_result(
         return compare(*args)
 
     monkeypatch.setattr(ab_module, "compare_arms", compare_then_interrupted)
-    engine = {
-        "baseline": _arm(1, "baseline-arm"),
-        "candidate": _arm(1, "candidate-arm"),
-        "workloads": [{"name": "decode", "input_len": 4, "output_len": 2, "num_prompts": 2}],
-    }
-    result = _run(_scope(engine, []), tmp_path)
+    result = _run(_small_load_scope(), tmp_path)
     assert result.interrupted and result.rows and result.failures == []
 
 

@@ -341,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gemv",
         choices=("triton", "cute"),
         default="triton",
-        help="the four GEMVs: the plan's Triton kernel or cute_gemv's (needs nvidia-cutlass-dsl)",
+        # the GPU plan itself takes cute at batch <= 8 (LayerPlan.gemv_cute, 2026-12-05)
+        help="the four GEMVs at every batch: the Triton kernel or cute_gemv's (needs "
+        "nvidia-cutlass-dsl)",
     )
     parser.add_argument(
         "--fold-latent-prep",

@@ -8,6 +8,8 @@ from typing import Any
 
 import httpx
 
+from harness.json_input import UnreadableJson, load_json
+
 # waiting_for_hardware is as far as a submission gets until a worker for its hardware appears
 # harness.store.models.FINISHED_STATES, and waiting; spelled out so the client needs no store
 SETTLED = {
@@ -108,10 +110,7 @@ def _call(
         raise ServiceError(f"cannot reach {client.base_url}: {exc}") from None
     if response.status_code >= 400:
         raise ServiceError(_describe(response))
-    try:
-        reply = response.json()
-    except (ValueError, RecursionError):
-        reply = None
+    reply = _json_or_none(response)
     if not isinstance(reply, dict) or not all(key in reply for key in expect):
         raise ServiceError(
             f"{client.base_url} is not a pathgate service: {method} {path} answered "
@@ -120,11 +119,15 @@ def _call(
     return reply
 
 
-def _describe(response: httpx.Response) -> str:
+def _json_or_none(response: httpx.Response) -> Any:
     try:
-        body = response.json()
-    except (ValueError, RecursionError):
-        body = None
+        return load_json(response.content)
+    except UnreadableJson:
+        return None
+
+
+def _describe(response: httpx.Response) -> str:
+    body = _json_or_none(response)
     if not isinstance(body, dict) or "detail" not in body:  # not pathgate's error reply
         return f"HTTP {response.status_code}: {response.text[:500]}"
     lines = [f"HTTP {response.status_code}: {body['detail']}"]

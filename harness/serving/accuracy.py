@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import httpx
 
+from harness.json_input import UnreadableJson, load_json
 from harness.serving.jsonable import jsonable
 
 GSM8K_TASK = "gsm8k"
@@ -77,8 +78,8 @@ async def _complete(
     if response.status_code != 200:
         return Completion("", None, f"HTTP {response.status_code}: {response.text[:300]}")
     try:
-        choice = response.json()["choices"][0]
-    except (ValueError, KeyError, IndexError, TypeError, RecursionError):
+        choice = load_json(response.content)["choices"][0]
+    except (UnreadableJson, KeyError, IndexError, TypeError):
         choice = None
     if not isinstance(choice, dict):
         return Completion("", None, f"no choices in the response: {response.text[:300]}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from harness.json_input import UnreadableJson, load_json
 from harness.serving.jsonable import jsonable
 from harness.serving.prometheus import (
     MetricsError,
@@ -310,8 +310,8 @@ def _on_line(line: str, stream: _Stream, now_s: float) -> None:
         stream.done_s = now_s
         return
     try:
-        event = json.loads(payload)
-    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
+        event = load_json(payload)
+    except UnreadableJson:
         event = None
     if not isinstance(event, dict):
         stream.error = f"not a JSON object in the stream: {payload[:120]!r}"

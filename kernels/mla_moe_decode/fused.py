@@ -31,10 +31,10 @@ partial sums are added, in order, by the kernel that consumes them.
 
 `supports` is the dispatch guard; `forward` re-checks the same scope on the tensors and runs
 `stock.forward_compiled` (the manifest's baseline) outside it, so out of scope the result is the
-baseline's exactly. Two architectures are in scope: the real Kimi-K2 TP8/EP8 shard on an H200,
-and CPU_TEST_CONFIG on the CPU, where the same kernels run under Triton's interpreter (the CuTe
-DSL step then runs as its Triton stand-in). On a GPU without nvidia-cutlass-dsl `forward` raises
-CuteUnavailableError rather than run the stand-in.
+baseline's exactly. Two architectures are in scope: the real Kimi-K2 TP8/EP8 shard on an H200 or
+an H100, and CPU_TEST_CONFIG on the CPU, where the same kernels run under Triton's interpreter
+(the CuTe DSL step then runs as its Triton stand-in). On a GPU without nvidia-cutlass-dsl
+`forward` raises CuteUnavailableError rather than run the stand-in.
 
 Decode context parallelism (`supports_context_parallel`, scopes/kimi-k2-mla-moe-decode-h200-cp):
 on a rank of a CP group (harness.evaluation.ranks.cp_group) `kv_cache` is the rank's slice;
@@ -74,7 +74,10 @@ from kernels.mla_moe_decode.triton_norm import add_rmsnorm
 Tensors = dict[str, torch.Tensor]
 MAX_BATCH = 64
 GPU_CONTEXT = (1024, 32768)
-GPU_KIND = "H200"
+# Both Hopper (sm_90a) parts with 132 SMs: the same kernels and plan. The plan's switches were
+# measured on the H200; the H100 (less HBM bandwidth, 80 GB) runs them as they are, with claims
+# of its own in the scope.
+GPU_KINDS = ("H200", "H100")
 # The small layer the CPU tests run under the interpreter: every size a masked tail somewhere
 # (hidden 320, q_lora 96, moe_intermediate 96, top_k 6 are not powers of two), rank 2 so a path
 # that assumes rank 0 fails.
@@ -121,7 +124,7 @@ _CPU_ARCH = _architecture(LayerConfig.from_model_config(CPU_TEST_CONFIG))
 
 def supports(case: Case) -> bool:
     """In scope: bf16, batch 1..64, cp 1, one GPU, and either the real shard's architecture on an
-    H200 with context 1024..32768, or CPU_TEST_CONFIG on the CPU with context 1..256."""
+    H200 or H100 with context 1024..32768, or CPU_TEST_CONFIG on the CPU with context 1..256."""
     return case.cp == 1 and case.gpus == 1 and _supports_layer(case)
 
 
@@ -154,7 +157,7 @@ def _supports_layer(case: Case) -> bool:
 
 
 def _target(gpu: str) -> tuple[tuple[object, ...], tuple[int, int]] | None:
-    if gpu == GPU_KIND:
+    if gpu in GPU_KINDS:
         return _GPU_ARCH, GPU_CONTEXT
     if gpu == "cpu":
         return _CPU_ARCH, CPU_CONTEXT
@@ -199,7 +202,8 @@ def _device_kind(device: torch.device) -> str:
     if device.type == "cpu":
         return "cpu"
     if device.type == "cuda":
-        return GPU_KIND if GPU_KIND in _cuda_name(device.index) else "other"
+        name = _cuda_name(device.index)
+        return next((kind for kind in GPU_KINDS if kind in name), "other")
     return "other"
 
 

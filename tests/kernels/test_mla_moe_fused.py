@@ -340,10 +340,11 @@ def test_out_of_scope_sizes_dispatch_to_the_baseline(
 # The guard.
 
 
-def test_guard_accepts_the_real_shard_on_h200_and_the_cpu_test_config() -> None:
+def test_guard_accepts_the_real_shard_on_hopper_and_the_cpu_test_config() -> None:
     for batch in (1, 37, 64):
         for context in (1024, 5000, 32768):
-            assert fused.supports(_case(batch, context, gpu="H200", config={}))
+            for gpu in ("H200", "H100"):
+                assert fused.supports(_case(batch, context, gpu=gpu, config={}))
     real = {"hidden": 7168, "heads": 8, "experts": 48, "experts_total": 384, "top_k": 8}
     assert fused.supports(_case(8, 8192, gpu="H200", config=real))
     assert fused.supports(_case(8, 8192, gpu="H200", config={"rank": 7}))  # any EP rank
@@ -372,7 +373,8 @@ def test_guard_accepts_the_real_shard_on_h200_and_the_cpu_test_config() -> None:
         _case(8, 8192, gpu="H200", cp=2, config={}),
         _case(8, 8192, gpu="H200", gpus=8, config={}),
         _case(8, 8192, gpu="GB300", config={}),
-        _case(8, 8192, gpu="H100", config={}),
+        _case(8, 8192, gpu="B200", config={}),
+        _case(8, 1023, gpu="H100", config={}),
         _case(8, 64, gpu="cpu", config={}),  # the real shard is not a CPU scope
         _case(8, 8192, gpu="H200"),  # nor the CPU config a GPU one
         _case(65, 64),

@@ -46,6 +46,7 @@ CPU = torch.device("cpu")
 CONFIG: dict[str, object] = dict(fused.CPU_TEST_CONFIG)
 LAYER = LayerConfig.from_model_config(CONFIG)
 SCOPE = Path(__file__).resolve().parents[2] / "scopes" / "kimi-k2-mla-moe-decode-h200.yaml"
+H100_SCOPE = SCOPE.with_name("kimi-k2-mla-moe-decode-h100.yaml")
 OUTPUTS = ("out", "residual_out", "kv_new")
 BF16 = torch.bfloat16
 SEED = 7
@@ -350,6 +351,18 @@ def test_guard_accepts_the_real_shard_on_hopper_and_the_cpu_test_config() -> Non
     assert fused.supports(_case(8, 8192, gpu="H200", config={"rank": 7}))  # any EP rank
     for context in (1, 100, fused.CPU_CONTEXT[1]):
         assert fused.supports(_case(64, context))
+
+
+def test_the_h100_scope_is_the_h200_scope_on_another_gpu() -> None:
+    """Its claims are about the same layer: the same path, workload, tolerances and resolved
+    layer config; only the hardware and the claims (each on the H100) differ."""
+    h200, h100 = load_manifest_file(SCOPE), load_manifest_file(H100_SCOPE)
+    for field in ("path", "workload", "tolerance", "model_check"):
+        assert getattr(h100, field) == getattr(h200, field), field
+    resolved = [LayerConfig.from_model_config(dict(m.model.config)) for m in (h200, h100)]
+    assert resolved[0] == resolved[1]
+    assert (h200.hardware.gpu, h100.hardware.gpu) == (["H200"], ["H100"])
+    assert h100.claims and all(claim.hardware == "H100" for claim in h100.claims)
 
 
 @pytest.mark.parametrize(

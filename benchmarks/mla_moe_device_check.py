@@ -1476,9 +1476,7 @@ def print_pdl_table(rows: list[PdlRow]) -> None:
 
 
 def _case(batch: int, context: int, t: Target) -> Case:
-    return Case(
-        batch, context, cp=1, gpus=1, dtype="bfloat16", gpu=fused.GPU_KIND if t.on_gpu else "cpu"
-    )
+    return Case(batch, context, cp=1, gpus=1, dtype="bfloat16", gpu=fused.device_kind(t.device))
 
 
 def _sync(t: Target) -> None:

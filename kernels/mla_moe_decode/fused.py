@@ -178,7 +178,7 @@ def forward(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
 def _in_scope(config: LayerConfig, weights: Tensors, inputs: Tensors, out: Tensors) -> bool:
     """`supports` read off the tensors: the device kind stands for case.gpu."""
     x, cache = inputs["x"], inputs["kv_cache"]
-    target = _target(_device_kind(x.device))
+    target = _target(device_kind(x.device))
     if target is None:
         return False
     architecture, (low, high) = target
@@ -198,7 +198,7 @@ def _in_scope(config: LayerConfig, weights: Tensors, inputs: Tensors, out: Tenso
     )
 
 
-def _device_kind(device: torch.device) -> str:
+def device_kind(device: torch.device) -> str:
     if device.type == "cpu":
         return "cpu"
     if device.type == "cuda":

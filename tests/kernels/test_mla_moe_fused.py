@@ -23,6 +23,7 @@ import triton.language as tl
 
 from harness.evaluation.cases import Case
 from harness.evaluation.correctness import OutputError, check_case, output_error, upcast
+from harness.evaluation.environment import gpu_kind
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.outcomes import Passed, reasons_of
 from harness.evaluation.plan import derive_seed
@@ -362,6 +363,26 @@ def test_guard_accepts_the_real_shard_on_hopper_and_the_cpu_test_config() -> Non
     assert fused.supports(_case(8, 8192, gpu="H200", config={"rank": 7}))  # any EP rank
     for context in (1, 100, fused.CPU_CONTEXT[1]):
         assert fused.supports(_case(64, context))
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H200 NVL", "H200"),
+        ("NVIDIA B200", "other"),
+        ("NVIDIA A100-SXM4-80GB", "other"),
+    ],
+)
+def test_forward_reads_the_gpu_kind_off_the_device_name(monkeypatch, name: str, kind: str) -> None:
+    """`forward` re-checks the guard on the tensors' device: its name must give the kind the
+    engine's case carries, or a GPU the guard accepts would silently run the stock fallback."""
+    monkeypatch.setattr(fused, "_cuda_name", lambda index: name)
+    assert fused.device_kind(torch.device("cuda", 0)) == kind
+    assert fused.device_kind(CPU) == "cpu"
+    if kind != "other":  # the engine names the host's GPU the same way
+        assert gpu_kind(name) == kind
 
 
 def test_the_h100_scope_is_the_h200_scope_on_another_gpu() -> None:

@@ -53,6 +53,7 @@ import torch
 import triton
 
 from harness.evaluation.cases import Case
+from harness.evaluation.environment import gpu_kind
 from harness.evaluation.ranks import cp_group
 from kernels.mla_moe_decode import cute_gemv, cute_kernels, stock
 from kernels.mla_moe_decode.config import LayerConfig
@@ -199,12 +200,11 @@ def _in_scope(config: LayerConfig, weights: Tensors, inputs: Tensors, out: Tenso
 
 
 def device_kind(device: torch.device) -> str:
-    if device.type == "cpu":
-        return "cpu"
+    """The kind a case names for this device: "cpu", or the engine's kind of the CUDA GPU (so
+    `forward` and the guard agree on what `supports` accepted)."""
     if device.type == "cuda":
-        name = _cuda_name(device.index)
-        return next((kind for kind in GPU_KINDS if kind in name), "other")
-    return "other"
+        return gpu_kind(_cuda_name(device.index))
+    return device.type
 
 
 @functools.lru_cache(maxsize=16)

@@ -33,6 +33,7 @@ EXIT_USAGE = 2
 TOKEN_NAME_MAX = 100  # ApiToken.name's column
 EXIT_NO_VERDICT = 5  # the run stopped before a verdict: an internal error
 EXIT_INTERRUPTED = 130
+MAX_SEED = 2**63 - 1  # the engine draws 63-bit seeds; JSON readers may hold 64-bit integers only
 VERDICT_STYLE = {
     "PASS": "bold green",
     "FAIL": "bold red",
@@ -68,9 +69,13 @@ def validate(
     device: Annotated[DeviceChoice, typer.Option(help="where to run")] = DeviceChoice.auto,
     out: Annotated[Path | None, typer.Option(help="folder for evidence.json and report.md")] = None,
     quick: Annotated[bool, typer.Option(help="fewer cases, trials and samples")] = False,
-    seed: Annotated[int | None, typer.Option(help="reuse a run's seed to reproduce it")] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(min=0, max=MAX_SEED, help="reuse a run's seed to reproduce it"),
+    ] = None,
     gpus: Annotated[
-        int | None, typer.Option(help="only the cases of this GPU count (as a gpu.<kind>.xN job)")
+        int | None,
+        typer.Option(min=1, help="only the cases of this GPU count (as a gpu.<kind>.xN job)"),
     ] = None,
     resume: Annotated[
         bool,
@@ -87,6 +92,10 @@ def validate(
     from harness.reports.markdown import render_markdown
 
     manifest = _load_or_exit(scope)
+    if gpus is not None and gpus not in manifest.hardware.gpus:
+        counts = ", ".join(map(str, manifest.hardware.gpus))
+        _error(f"--gpus {gpus}: the scope has no {gpus}-GPU cases (hardware.gpus: {counts})")
+        raise typer.Exit(EXIT_USAGE)
     out_dir = out or get_settings().output_dir / manifest.name
     try:  # before any case runs: a finished case must have somewhere to go
         out_dir.mkdir(parents=True, exist_ok=True)

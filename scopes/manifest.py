@@ -158,6 +158,14 @@ class Claim(Strict):
             raise ValueError("a claim needs exactly one of at_least / at_most")
         return self
 
+    def where_values(self) -> list[tuple[str, int]]:
+        """Each (key, value) the claim's `where` names, a list flattened."""
+        return [
+            (key, value)
+            for key, wanted in self.where.items()
+            for value in (wanted if isinstance(wanted, list) else [wanted])
+        ]
+
     def describe(self) -> str:
         bound = f">= {self.at_least}" if self.at_least is not None else f"<= {self.at_most}"
         where = ", ".join(f"{k}={v}" for k, v in self.where.items()) or "all cases"
@@ -211,7 +219,31 @@ class ScopeManifest(Strict):
                     f"claim '{claim.describe()}' names {claim.hardware}, "
                     f"which is not in hardware.gpu"
                 )
+            if claim.metric in SERVING_METRICS:
+                continue  # `where` selects A/B rows: batch is the request concurrency
+            outside = [
+                f"{key}={value}"
+                for key, value in claim.where_values()
+                if not self._in_scope(key, value)
+            ]
+            if outside:  # no case could ever match: the claim would end "not measurable" every run
+                raise ValueError(
+                    f"claim '{claim.describe()}' selects {', '.join(outside)}, outside the scope"
+                )
         return self
+
+    def _in_scope(self, key: str, value: int) -> bool:
+        workload = self.workload
+        if key == "batch":
+            return workload.batch.min <= value <= workload.batch.max
+        if key == "context":
+            return (
+                workload.context is not None
+                and workload.context.min <= value <= workload.context.max
+            )
+        if key == "cp":
+            return value in workload.context_parallel
+        return value in self.hardware.gpus
 
     @model_validator(mode="after")
     def _engine_concurrency_bounded(self) -> ScopeManifest:

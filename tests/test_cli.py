@@ -132,6 +132,30 @@ def test_an_output_folder_that_is_a_file_is_refused_before_any_case_runs(tmp_pat
     assert out.read_text() == "a file"
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--gpus", "0"], "Invalid value for '--gpus'"),
+        (["--gpus", "8"], "--gpus 8: the scope has no 8-GPU cases (hardware.gpus: 1)"),
+        (["--seed", "-5"], "Invalid value for '--seed'"),
+        (["--seed", str(2**64)], "Invalid value for '--seed'"),
+    ],
+)
+def test_a_bad_gpu_count_or_seed_is_a_usage_error_that_keeps_the_last_run(
+    tmp_path: Path, extra: list[str], message: str
+) -> None:
+    """`--gpus 0` ran no case and replaced the folder's evidence with an empty INCONCLUSIVE."""
+    scope = _small_scope(tmp_path, [])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "evidence.json").write_text("the last run")
+    code, output, _ = _validate(tmp_path, scope, *extra)
+    assert code == 2, output
+    assert message in " ".join(output.split())
+    assert "Traceback" not in output and "[1/" not in output
+    assert (out / "evidence.json").read_text() == "the last run"
+
+
 def test_a_path_that_looks_like_markup_prints_as_given(tmp_path: Path) -> None:
     """rich read "[/x]" in a file name as a closing tag and crashed."""
     folder = tmp_path / "br[/x]"

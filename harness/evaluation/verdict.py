@@ -104,12 +104,11 @@ def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> Claim
 
 def _unmeasured(claim: Claim, selected: list[CaseEvidence]) -> list[str]:
     """The values the claim's `where` names that no selected case has (key=value)."""
-    missing = []
-    for key, wanted in claim.where.items():
-        for value in wanted if isinstance(wanted, list) else [wanted]:
-            if not any(_case_values(case)[key] == value for case in selected):
-                missing.append(f"{key}={value}")
-    return missing
+    return [
+        f"{key}={value}"
+        for key, value in claim.where_values()
+        if not any(_case_values(case)[key] == value for case in selected)
+    ]
 
 
 def _case_values(case: CaseEvidence) -> dict[str, int | None]:

@@ -96,8 +96,28 @@ def test_each_bad_field_gets_its_message(
 
 
 def test_a_range_of_one_value_is_valid() -> None:
-    manifest = load_manifest(_mutated("workload.batch", {"min": 8, "max": 8}))
+    data = yaml.safe_load(_mutated("workload.batch", {"min": 8, "max": 8}))
+    data["claims"] = []  # they name batches 1 and 512
+    manifest = load_manifest(yaml.safe_dump(data, sort_keys=False))
     assert (manifest.workload.batch.min, manifest.workload.batch.max) == (8, 8)
+
+
+@pytest.mark.parametrize(
+    ("where", "outside"),
+    [
+        ({"batch": 999999}, "batch=999999"),
+        ({"batch": [1, 600]}, "batch=600"),
+        ({"context": 4096}, "context=4096"),  # the scope has no context range
+        ({"cp": 2}, "cp=2"),
+        ({"gpus": 8}, "gpus=8"),
+    ],
+)
+def test_a_claim_on_cases_outside_the_scope_is_refused(where: dict, outside: str) -> None:
+    """No plan could hold such a case: the claim would end "not measurable" on every run."""
+    data = yaml.safe_load(GOOD)
+    data["claims"] = [{"metric": "speedup", "where": where, "at_least": 1.0}]
+    problems = _problems(yaml.safe_dump(data, sort_keys=False))
+    assert len(problems) == 1 and f"selects {outside}, outside the scope" in problems[0]
 
 
 def test_extra_keys_are_refused_with_their_line() -> None:

@@ -14,8 +14,9 @@
 # for more than its idle release (30 s) is taken back, and the run with it (2026-12-04).
 #
 # To continue in a later session: carry pathgate-out/device-validate/checkpoint.json (the
-# device call's `carry`) and run `start` again with the same options; no Python file outside
-# the tests may change in between, or the resume is refused.
+# device call's `carry`) and run `start` again with the same options, from a tree whose Python
+# files (outside the tests) are the checkpoint's: a checkout of the commit it was made on. Any
+# other tree is refused (its code digest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=pathgate-out/device-validate

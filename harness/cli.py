@@ -103,17 +103,17 @@ def validate(
         _error(f"cannot write the output folder {out_dir}: {exc.strerror or exc}")
         raise typer.Exit(EXIT_USAGE) from None
     checkpoint_path = out_dir / checkpoint.FILE_NAME
-    if checkpoint_path.exists() and not resume:
+    try:
+        earlier = checkpoint.read(checkpoint_path) if resume or checkpoint_path.exists() else None
+    except checkpoint.ResumeRefused as exc:
+        _error(str(exc))
+        raise typer.Exit(EXIT_USAGE) from None
+    if earlier is not None and not resume:
         _error(
             f"{checkpoint_path} holds an unfinished run: finish it with --resume, or delete the "
             "file to start over"
         )
         raise typer.Exit(EXIT_USAGE)
-    try:
-        earlier = checkpoint.read(checkpoint_path) if resume else None
-    except checkpoint.ResumeRefused as exc:
-        _error(str(exc))
-        raise typer.Exit(EXIT_USAGE) from None
     if earlier is not None and seed is None:
         seed = earlier.seed  # the plan is a function of the seed: the same cases
     command_seed = seed if seed is not None else secrets.randbits(63)

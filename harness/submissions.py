@@ -277,8 +277,14 @@ def record_evidence(session: Session, job: Job, evidence: Evidence, log_tail: st
     repo.add_report(session, report, results)
     job.state = STATE_OF_VERDICT[evidence.verdict]
     job.verdict = evidence.verdict
-    job.reason = "; ".join(evidence.verdict_reasons[:3])
+    job.reason = _summary(evidence.verdict_reasons)
     _close(job, log_tail)
+
+
+def _summary(reasons: list[str], shown: int = 3) -> str:
+    """The first reasons, and how many more the report holds (a job's line, not its report)."""
+    more = len(reasons) - shown
+    return "; ".join(reasons[:shown]) + (f"; and {more} more in the report" if more > 0 else "")
 
 
 def record_failure(session: Session, job: Job, state: str, reason: str, log_tail: str) -> None:

@@ -270,8 +270,12 @@ def test_a_resume_under_other_settings_is_refused(tmp_path: Path, monkeypatch) -
     assert other_code.exit_code == 2 and "the code changed" in other_code.output
     assert "manifest" not in other_code.output  # the scope is back as it was
     (out / "checkpoint.json").write_text("{not json")
-    broken = CliRunner().invoke(app, [*args, "--resume"])
-    assert broken.exit_code == 2 and "not a pathgate checkpoint" in broken.output
+    for extra in (["--resume"], []):  # without --resume it suggested --resume, which failed
+        broken = CliRunner().invoke(app, [*args, *extra])
+        message = " ".join(broken.output.split())
+        assert broken.exit_code == 2 and "not a pathgate checkpoint" in message
+        assert "delete it to start over" in message and "errors.pydantic.dev" not in message
+        assert (out / "checkpoint.json").read_text() == "{not json"
 
 
 def test_ctrl_c_says_what_was_saved(tmp_path: Path, monkeypatch) -> None:

@@ -79,8 +79,15 @@ def read(path: Path) -> Checkpoint:
         raise ResumeRefused(f"no checkpoint at {path}: nothing to resume")
     try:
         return Checkpoint.model_validate_json(path.read_text())
-    except (ValidationError, ValueError) as exc:
-        raise ResumeRefused(f"{path} is not a pathgate checkpoint: {exc}") from None
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(map(str, error["loc"]))
+        detail = f"{where}: {error['msg']}" if where else error["msg"]
+        raise ResumeRefused(
+            f"{path} is not a pathgate checkpoint ({detail}); delete it to start over"
+        ) from None
+    except (OSError, ValueError) as exc:  # unreadable, or not UTF-8
+        raise ResumeRefused(f"cannot read {path} ({exc}); delete it to start over") from None
 
 
 def mismatches(checkpoint: Checkpoint, current: Checkpoint) -> list[str]:

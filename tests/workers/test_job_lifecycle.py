@@ -76,6 +76,21 @@ def test_a_result_with_an_infinite_error_and_nul_bytes_is_stored(database_url: s
         assert first.correctness["trials"][0]["outputs"][0]["error_ratio"] == "Infinity"
 
 
+def test_the_jobs_reason_says_how_many_reasons_it_leaves_to_the_report(
+    database_url: str,  # noqa: F811
+) -> None:
+    """It showed three of four unmeasurable claims as if they were all."""
+    job_id = _new_job()
+    assert tasks.start_job(job_id, "w1") is not None
+    evidence = Evidence.model_validate_json((FIXTURES / "evidence_cpu_rmsnorm.json").read_text())
+    evidence.verdict_reasons = [f"claim {n} not measurable" for n in range(1, 5)]
+    tasks.finish_job(job_id, Finished(evidence, ""))
+    assert _job(job_id).reason == (
+        "claim 1 not measurable; claim 2 not measurable; claim 3 not measurable; "
+        "and 1 more in the report"
+    )
+
+
 def test_a_result_that_cannot_be_stored_ends_the_job_as_an_error(
     database_url: str,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,

@@ -7,8 +7,10 @@ import time
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from harness import __version__
@@ -36,6 +38,7 @@ def create_app(enqueue: Enqueue | None = None) -> FastAPI:
     app.include_router(dashboard.router)
     app.add_exception_handler(PathgateError, _pathgate_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(ObserveRequests)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
@@ -57,6 +60,22 @@ async def _pathgate_error(request: Request, exc: PathgateError) -> JSONResponse:
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
     return JSONResponse({"detail": "invalid request", "errors": errors}, status_code=422)
+
+
+# What FastAPI answers (a 400) when its own json.loads of a body raises something other than a
+# decode error: a RecursionError (nesting) or a ValueError (an integer of 4300+ digits).
+FASTAPI_BODY_ERROR = "There was an error parsing the body"
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:
+        error = {
+            "loc": ["body"],
+            "msg": "not JSON pathgate can read: nested too deeply, or an integer of 4300+ digits",
+            "type": "json_invalid",
+        }
+        return JSONResponse({"detail": "invalid request", "errors": [error]}, status_code=422)
+    return await http_exception_handler(request, exc)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

@@ -176,13 +176,26 @@ def test_malformed_body_is_422(
     assert any(".".join(map(str, e["loc"])).startswith(loc) for e in response.json()["errors"])
 
 
-def test_not_json_is_422(client: TestClient, alice: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        # FastAPI's own parse of these raised past its decode-error branch: a bare 400
+        b'{"manifest": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        b'{"manifest": ' + b"9" * 5000 + b"}",
+    ],
+    ids=["not-json", "nested-too-deeply", "long-int"],
+)
+@pytest.mark.parametrize("path", ["/v1/submissions", "/v1/scopes/validate"])
+def test_not_json_is_422_in_the_usual_shape(
+    client: TestClient, alice: dict[str, str], path: str, content: bytes
+) -> None:
     response = client.post(
-        "/v1/submissions",
-        content=b"{not json",
-        headers={**alice, "content-type": "application/json"},
+        path, content=content, headers={**alice, "content-type": "application/json"}
     )
-    assert response.status_code == 422
+    assert response.status_code == 422, response.text
+    assert response.json()["errors"][0]["type"] == "json_invalid"
+    assert client.get("/v1/submissions", headers=alice).json()["total"] == 0
 
 
 def test_git_source_is_stored(client: TestClient, alice: dict[str, str]) -> None:

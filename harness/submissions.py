@@ -62,7 +62,8 @@ def parse_manifest(body: str | dict[str, Any]) -> tuple[ScopeManifest, str]:
                 if p.field
                 else ["body", "manifest"],
                 "msg": p.message,
-                "line": p.line,
+                # a line of the YAML text the sender wrote; an object's dump is ours, not theirs
+                "line": p.line if isinstance(body, str) else None,
             }
             for p in exc.problems
         ]

@@ -123,6 +123,18 @@ def test_invalid_manifest_is_422_with_field_paths_and_stores_nothing(
     assert enqueued.sent == []
 
 
+def test_an_invalid_manifest_sent_as_an_object_names_no_line(
+    client: TestClient, alice: dict[str, str]
+) -> None:
+    """Its lines were those of a YAML dump the sender never saw."""
+    bad = yaml.safe_load(RMSNORM)
+    bad["workload"]["phase"] = "x"
+    response = client.post("/v1/scopes/validate", json={"manifest": bad}, headers=alice)
+    assert response.status_code == 422
+    [error] = response.json()["errors"]
+    assert error["loc"][-2:] == ["workload", "phase"] and error["line"] is None
+
+
 def _many_claims() -> dict:
     """Over 100000 nodes in under the 1 MB a body may have."""
     return {**yaml.safe_load(RMSNORM), "claims": [{"metric": "speedup", "at_least": 1}] * 20_001}

@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     requeue_after_s: float = 300.0  # a job still queued this long is enqueued again
     # Override the detected hardware of `pathgate worker` (e.g. "cpu" on a GPU host).
     worker_hardware: str | None = None
+    # The git transports a submission's source may use: https, http, ssh (git@host:...), file.
+    # ssh fetches with the worker's own keys and file from the worker's own disk: allow them
+    # only where every contributor is trusted (JSON: PATHGATE_GIT_PROTOCOLS='["https","file"]').
+    git_protocols: list[str] = ["https"]
 
     # Base URL of this service as users reach it (links in statuses, PR comments).
     public_url: str = "http://127.0.0.1:8000"

@@ -17,6 +17,7 @@ import yaml
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
+from harness.config import get_settings
 from harness.errors import InvalidInput, NotFound
 from harness.evaluation.evidence import STATE_OF_VERDICT, Evidence, Verdict
 from harness.github import hooks as github_hooks
@@ -33,6 +34,7 @@ from harness.store.models import (
 )
 from scopes.manifest import ManifestError, ScopeManifest, load_manifest, validate_manifest
 from workers.routing import queues_for_manifest
+from workers.workspace import git_protocol
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,16 @@ def parse_manifest(body: str | dict[str, Any]) -> tuple[ScopeManifest, str]:
         raise InvalidInput("invalid scope manifest", details) from None
 
 
+def _check_git_protocol(source: Source, allowed: list[str]) -> None:
+    if source.kind != "git" or source.url is None:
+        return
+    protocol = git_protocol(source.url)
+    if protocol not in allowed:
+        message = f"git {protocol} URLs are not accepted here (allowed: {', '.join(allowed)})"
+        loc = ["body", "source", "url"]
+        raise InvalidInput("invalid source", [{"loc": loc, "msg": message}])
+
+
 def submit(
     session: Session,
     body: str | dict[str, Any],
@@ -83,6 +95,7 @@ def submit(
     live_queues: set[str],
 ) -> Submission:
     manifest, text = parse_manifest(body)
+    _check_git_protocol(source, get_settings().git_protocols)
     submission = Submission(
         scope=manifest.name,
         manifest_text=text,

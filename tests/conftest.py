@@ -16,6 +16,10 @@ if not HAS_CUDA:
 
 GPU_COUNT = torch.cuda.device_count() if HAS_CUDA else 0
 
+# The tests' git sources are repositories on this machine (file:// URLs); a service's default
+# accepts https only. Set before any settings are read, and inherited by the workers tests start.
+os.environ.setdefault("PATHGATE_GIT_PROTOCOLS", '["https", "file"]')
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to torch here")

@@ -98,7 +98,9 @@ def start_job(job_id: int, worker: str) -> StartedJob | None:
     if claim is None:
         return None
     try:
-        source_dir = prepare_source(claim.source, claim.workdir / "src")
+        source_dir = prepare_source(
+            claim.source, claim.workdir / "src", get_settings().git_protocols
+        )
     except SourceError as exc:
         _end_claim(job_id, worker, claim.attempt, "error", str(exc))
         return None

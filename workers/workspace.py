@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,28 +19,48 @@ class SourceError(Exception):
     pass
 
 
-def prepare_source(source: Source, dest: Path) -> Path:
+def prepare_source(source: Source, dest: Path, protocols: Sequence[str]) -> Path:
     """The folder the child imports the entry points from."""
     if source.kind == "in_tree":
         return REPO_ROOT
     assert source.url and source.sha
-    return checkout(source.url, source.sha, dest)
+    return checkout(source.url, source.sha, dest, protocols)
 
 
-def checkout(url: str, sha: str, dest: Path) -> Path:
+def git_protocol(url: str) -> str:
+    """The git transport a URL uses, by git's own name for it (`protocol.<name>.allow`)."""
+    scheme, separator, _ = url.partition("://")
+    if separator:
+        return scheme.lower()
+    return "ssh" if ":" in url else "file"  # git@host:path is ssh; a bare path is local
+
+
+def checkout(url: str, sha: str, dest: Path, protocols: Sequence[str]) -> Path:
+    """Fetch exactly `sha` into `dest`. git itself refuses any transport outside `protocols`,
+    for the URL and for anything it would follow from it (a redirect, a submodule)."""
+    if git_protocol(url) not in protocols:
+        raise SourceError(f"git {git_protocol(url)} URLs are not allowed here: {url}")
     dest.mkdir(parents=True, exist_ok=True)
-    steps = [
-        ["git", "init", "-q", str(dest)],
-        ["git", "-C", str(dest), "fetch", "-q", "--depth", "1", url, sha],
-        ["git", "-C", str(dest), "checkout", "-q", "--detach", "FETCH_HEAD"],
-    ]
-    for step in steps:
+    allow = ["-c", "protocol.allow=never"]
+    for protocol in protocols:
+        allow += ["-c", f"protocol.{protocol}.allow=always"]
+    steps = {
+        "init": ["init", "-q", str(dest)],
+        "fetch": [*allow, "-C", str(dest), "fetch", "-q", "--depth", "1", url, sha],
+        "checkout": ["-C", str(dest), "checkout", "-q", "--detach", "FETCH_HEAD"],
+    }
+    for verb, arguments in steps.items():
         try:
-            subprocess.run(step, capture_output=True, text=True, timeout=GIT_TIMEOUT_S, check=True)
+            subprocess.run(
+                ["git", *arguments],
+                capture_output=True,
+                text=True,
+                timeout=GIT_TIMEOUT_S,
+                check=True,
+            )
         except subprocess.CalledProcessError as exc:
             raise SourceError(
-                f"git {step[3] if len(step) > 3 else step[1]} failed for {url} "
-                f"at {sha}: {exc.stderr.strip()[-500:]}"
+                f"git {verb} failed for {url} at {sha}: {exc.stderr.strip()[-500:]}"
             ) from None
         except subprocess.TimeoutExpired:
             raise SourceError(f"fetching {url} at {sha} took over {GIT_TIMEOUT_S} s") from None

@@ -227,6 +227,36 @@ def test_git_source_is_stored(client: TestClient, alice: dict[str, str]) -> None
     )
 
 
+@pytest.mark.parametrize(
+    ("url", "protocol"),
+    [
+        ("file:///srv/private.git", "file"),
+        ("git@github.com:someone/private.git", "ssh"),
+        ("http://example.com/r.git", "http"),
+    ],
+)
+def test_a_git_source_outside_the_allowed_protocols_is_422_and_stores_nothing(
+    client: TestClient,
+    alice: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    url: str,
+    protocol: str,
+) -> None:
+    """By default https only: a file:// or ssh URL would make a worker fetch from its own disk
+    or with its own keys."""
+    monkeypatch.delenv("PATHGATE_GIT_PROTOCOLS")
+    get_settings.cache_clear()
+    body = {"manifest": RMSNORM, "source": {"kind": "git", "url": url, "sha": SHA}}
+    response = client.post("/v1/submissions", json=body, headers=alice)
+    assert response.status_code == 422, response.text
+    [error] = response.json()["errors"]
+    assert error["loc"] == ["body", "source", "url"]
+    assert error["msg"] == f"git {protocol} URLs are not accepted here (allowed: https)"
+    assert client.get("/v1/submissions", headers=alice).json()["total"] == 0
+    body["source"]["url"] = "https://github.com/someone/public.git"
+    assert client.post("/v1/submissions", json=body, headers=alice).status_code == 201
+
+
 @pytest.mark.parametrize("header", [None, "Bearer nope", "Basic abc", "Bearer "])
 def test_missing_or_bad_token_is_401(client: TestClient, header: str | None) -> None:
     headers = {"Authorization": header} if header else {}

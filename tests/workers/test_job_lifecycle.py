@@ -119,7 +119,7 @@ def test_the_claim_commits_before_the_checkout(
     job_id = _new_job()
     seen: list[str] = []
 
-    def checkout(source: Source, dest: Path) -> Path:
+    def checkout(source: Source, dest: Path, protocols: object) -> Path:
         with session_scope() as session:
             repo.create_token(session, "written during the checkout", "contributor")
             job = session.get(Job, job_id)
@@ -139,7 +139,7 @@ def test_a_failed_checkout_ends_the_attempt_as_an_error(
 ) -> None:
     job_id = _new_job()
 
-    def checkout(source: Source, dest: Path) -> Path:
+    def checkout(source: Source, dest: Path, protocols: object) -> Path:
         raise SourceError("git fetch failed for https://example.invalid/x at 0123")
 
     monkeypatch.setattr(tasks, "prepare_source", checkout)

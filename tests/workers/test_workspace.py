@@ -1,0 +1,46 @@
+"""A job's git source: exactly the submitted SHA, over the transports the service allows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.github.conftest import git_repo
+from workers import workspace
+from workers.workspace import SourceError, checkout, git_protocol
+
+
+@pytest.mark.parametrize(
+    ("url", "protocol"),
+    [
+        ("https://github.com/a/b.git", "https"),
+        ("HTTP://example.com/b.git", "http"),
+        ("file:///srv/b.git", "file"),
+        ("ssh://git@host/b.git", "ssh"),
+        ("git@github.com:a/b.git", "ssh"),
+        ("/srv/b.git", "file"),
+    ],
+)
+def test_git_protocol_is_gits_own_name_for_the_transport(url: str, protocol: str) -> None:
+    assert git_protocol(url) == protocol
+
+
+def test_checkout_fetches_the_sha_over_an_allowed_protocol_only(tmp_path: Path) -> None:
+    url, sha = git_repo(tmp_path / "origin", {"kernels/x.py": "X = 1\n"})
+    with pytest.raises(SourceError, match="git file URLs are not allowed here"):
+        checkout(url, sha, tmp_path / "refused", ["https"])
+    assert not (tmp_path / "refused").exists()  # refused before anything was fetched
+    dest = checkout(url, sha, tmp_path / "fetched", ["https", "file"])
+    assert (dest / "kernels" / "x.py").read_text() == "X = 1\n"
+
+
+def test_git_itself_refuses_a_transport_outside_the_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The list also reaches git (`protocol.allow`), which applies it to whatever the URL leads
+    to (a redirect, a submodule): with pathgate's own check fooled, git still says no."""
+    url, sha = git_repo(tmp_path / "origin", {"a.py": ""})
+    monkeypatch.setattr(workspace, "git_protocol", lambda url: "https")
+    with pytest.raises(SourceError, match=r"git fetch failed .*transport 'file' not allowed"):
+        workspace.checkout(url, sha, tmp_path / "dest", ["https"])

@@ -75,7 +75,15 @@ def serve_all(host: str, port: int, embedded_worker: bool) -> None:
     from harness.api.app import create_app
 
     sock = listening_socket(host, port)
-    upgrade(get_settings().database_url)
+    settings = get_settings()
+    upgrade(settings.database_url)
+    # uvicorn names no address for a socket it is handed: say where the API is, and where
+    # report links point (they follow PATHGATE_PUBLIC_URL, not --port)
+    print(
+        f"pathgate API on http://{host}:{port}; report links use {settings.public_url} "
+        "(PATHGATE_PUBLIC_URL)",
+        flush=True,
+    )
     commands = []
     if embedded_worker:
         commands.append([sys.executable, "-m", "harness.cli", "worker"])

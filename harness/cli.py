@@ -385,7 +385,7 @@ def _cases_table(evidence: Evidence) -> Table:
         "stock µs",
         "candidate µs",
         "speedup (95% CI)",
-        "kernels",
+        "kernels per layer (stock / candidate)",
     ):
         table.add_column(column)
     for case in evidence.cases:

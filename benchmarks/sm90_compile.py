@@ -12,16 +12,18 @@ arguments, constexprs, warps and stages, and reads the cubin's resources: regist
 Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compiler needs):
 
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
-        [--moe plan|run18] [--gemv triton|cute] [--fold-latent-prep]
+        [--moe plan|run18] [--gemv plan|triton|cute] [--fold-latent-prep]
         [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
 Triton (CI: 3.9), not necessarily the device's (3.6): a clean compile here is evidence, not
 proof, that the device compiles it; the shared memory and registers are this compiler's.
 Kernel 1 is CuTe DSL: it is listed, not compiled (tests/kernels/test_cute_compile.py compiles
-it). With `--gemv cute` the four GEMVs are the CuTe DSL kernel of cute_gemv (LayerPlan.gemv_cute):
-compiled by CuTe DSL for sm_90a (CUTE_DSL_ARCH, set here), assembled by ptxas for its registers
-and spills; its shared memory is the pipeline's tiles (dynamic, so not in the cubin).
+it). The four GEMVs are what the plan launches (`--gemv plan`): the CuTe DSL kernel of cute_gemv
+at batch <= 8 (LayerPlan.gemv_cute), the Triton one above; `--gemv triton|cute` takes one at
+every batch. A CuTe DSL GEMV is compiled by CuTe DSL for sm_90a (CUTE_DSL_ARCH, set here),
+assembled by ptxas for its registers and spills; its shared memory is the pipeline's tiles
+(dynamic, so not in the cubin).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Any
 
 # Triton 3.9 warns until it is told; fused multiply-adds on, as Triton 3.6 on the device has them
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when CuTe DSL is imported (--gemv cute)
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when CuTe DSL is imported (a CuTe DSL GEMV)
 
 import torch
 import triton
@@ -298,7 +300,7 @@ def compile_layer(
     context: int,
     moe: str = "plan",
     ptx_dir: Path | None = None,
-    gemv: str = "triton",
+    gemv: str = "plan",
     fold_latent_prep: bool = False,
 ) -> list[Compiled]:
     plan = fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS)
@@ -306,7 +308,8 @@ def compile_layer(
         from benchmarks.mla_moe_device_check import run18_moe_plan
 
         plan = run18_moe_plan(plan, batch)
-    plan = replace(plan, gemv_cute=gemv == "cute", fold_latent_prep=fold_latent_prep)
+    gemv_cute = plan.gemv_cute if gemv == "plan" else gemv == "cute"
+    plan = replace(plan, gemv_cute=gemv_cute, fold_latent_prep=fold_latent_prep)
     launches = layer_launches(batch, context, plan)
     case_dir = ptx_dir and ptx_dir / f"{batch}x{context}"
     return [
@@ -339,11 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe", choices=("plan", "run18"), default="plan")
     parser.add_argument(
         "--gemv",
-        choices=("triton", "cute"),
-        default="triton",
-        # the GPU plan itself takes cute at batch <= 8 (LayerPlan.gemv_cute, 2026-12-05)
-        help="the four GEMVs at every batch: the Triton kernel or cute_gemv's (needs "
-        "nvidia-cutlass-dsl)",
+        choices=("plan", "triton", "cute"),
+        default="plan",
+        help="the four GEMVs: the plan's (cute_gemv's CuTe DSL kernel at batch <= 8), or the "
+        "Triton kernel or cute_gemv's at every batch (cute needs nvidia-cutlass-dsl)",
     )
     parser.add_argument(
         "--fold-latent-prep",

@@ -120,21 +120,24 @@ def _claim_row(claim: ClaimEvidence) -> ClaimRow:
 
 
 def correctness_summary(evidence: Evidence) -> CorrectnessSummary:
-    checked = [c for c in evidence.cases if c.correctness is not None]
-    worst = max(checked, key=lambda c: _ratio(c), default=None)
+    checked = [c for c in evidence.cases if error_ratio(c) is not None]
+    worst = max(checked, key=lambda c: error_ratio(c) or 0.0, default=None)
     return CorrectnessSummary(
         cases=len(evidence.cases),
         passed=sum(c.status == "passed" for c in evidence.cases),
         failed=sum(c.status != "passed" for c in evidence.cases),
-        worst_ratio=_ratio(worst) if worst else None,
+        worst_ratio=error_ratio(worst) if worst else None,
         worst_case=worst.id if worst else None,
         probes=len(evidence.probes),
         probes_passed=sum(p.status == "passed" for p in evidence.probes),
     )
 
 
-def _ratio(case: CaseEvidence) -> float:
-    return case.correctness.worst_error_ratio if case.correctness else 0.0
+def error_ratio(case: CaseEvidence) -> float | None:
+    """The case's worst error ratio; None where nothing was compared (a crashed case keeps a
+    correctness record without trials, whose ratio of 0 means nothing)."""
+    correctness = case.correctness
+    return correctness.worst_error_ratio if correctness and correctness.trials else None
 
 
 def coverage(evidence: Evidence) -> Coverage:

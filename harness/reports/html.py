@@ -82,13 +82,13 @@ def _case_row(case: CaseEvidence) -> dict[str, object]:
     perf = case.performance
     row: dict[str, object] = {
         "case": case,
-        "ratio": facts.fmt(case.correctness.worst_error_ratio, 3) if case.correctness else "-",
+        "ratio": facts.fmt(facts.error_ratio(case), 3),
     }
     if perf is not None:
-        row |= {
-            "stock": f"{perf.stock_us_median:.3g} [{_ci(perf.stock_us_ci95)}]",
-            "candidate": f"{perf.candidate_us_median:.3g} [{_ci(perf.candidate_us_ci95)}]",
-            "speedup": f"{perf.speedup:.3f} [{_ci(perf.speedup_ci95)}]",
+        row |= {  # a median and its interval to the same decimals, as in report.md
+            "stock": _with_ci(perf.stock_us_median, perf.stock_us_ci95, 2),
+            "candidate": _with_ci(perf.candidate_us_median, perf.candidate_us_ci95, 2),
+            "speedup": _with_ci(perf.speedup, perf.speedup_ci95, 3),
             "kernels": f"{facts.fmt(perf.stock_kernels_per_layer)} / "
             f"{facts.fmt(perf.candidate_kernels_per_layer)}",
             "hbm": facts.fmt(perf.candidate_hbm_fraction, 3),
@@ -98,8 +98,8 @@ def _case_row(case: CaseEvidence) -> dict[str, object]:
     return row
 
 
-def _ci(bounds: tuple[float, float]) -> str:
-    return f"{bounds[0]:.4g}, {bounds[1]:.4g}"
+def _with_ci(value: float, bounds: tuple[float, float], decimals: int) -> str:
+    return f"{value:.{decimals}f} [{bounds[0]:.{decimals}f}, {bounds[1]:.{decimals}f}]"
 
 
 def _error_rows(case: CaseEvidence) -> Iterable[dict[str, object]]:

@@ -130,12 +130,16 @@ def _cases_to_show(cases: list[CaseEvidence]) -> list[CaseEvidence]:
     failing = [c for c in cases if c.status != "passed"][:MAX_CASE_ROWS]
     others = [c for c in cases if c.status == "passed"]
     room = MAX_CASE_ROWS - len(failing)
-    step = max(1, len(others) // room) if room > 0 else len(others) + 1
-    return failing + others[::step][:room]
+    if room <= 1:
+        return failing + others[:room]
+    # from the first case to the last: a step of len // room kept the first `room` cases only
+    # whenever there were fewer than twice as many (72 cases: batch 1-16 of 1-64)
+    picks = sorted({round(i * (len(others) - 1) / (room - 1)) for i in range(room)})
+    return failing + [others[i] for i in picks]
 
 
 def _case_row(case: CaseEvidence) -> str:
-    ratio = f"{case.correctness.worst_error_ratio:.2f}" if case.correctness else "-"
+    ratio = _fixed(facts.error_ratio(case), 2)
     head = f"| {inline_text(case.id)} | {case.origin} | {case.status} | {ratio}"
     perf = case.performance
     if perf is None:
@@ -146,6 +150,10 @@ def _case_row(case: CaseEvidence) -> str:
         f"| {perf.speedup:.3f} [{perf.speedup_ci95[0]:.3f}, {perf.speedup_ci95[1]:.3f}] "
         f"| {kernels} |"
     )
+
+
+def _fixed(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _num(value: float | None) -> str:

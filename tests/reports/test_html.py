@@ -31,6 +31,16 @@ def test_every_case_is_listed_in_html_even_when_markdown_summarizes() -> None:
     assert len(re.findall(r'<tr data-case="', html)) == len(evidence.cases)
 
 
+def test_each_median_is_printed_inside_its_printed_interval() -> None:
+    """Medians to 3 significant figures beside intervals to 4 read "157 [157.1, 157.4]"."""
+    html = str(render_report_section(load("h200_claims")))
+    cells = re.findall(r'<td class="num">(-?[\d.]+) \[(-?[\d.]+), (-?[\d.]+)\]</td>', html)
+    assert len(cells) >= 3 * 12  # stock, candidate and speedup of each case
+    for median, low, high in cells:
+        assert float(low) <= float(median) <= float(high), (median, low, high)
+        assert len(median.split(".")[1]) == len(low.split(".")[1]) == len(high.split(".")[1])
+
+
 def test_submitted_text_is_escaped() -> None:
     evidence = load("cpu_offgrid_fail")
     evidence.cases[0] = evidence.cases[0].model_copy(update={"reasons": ["<img src=x onerror=1>"]})

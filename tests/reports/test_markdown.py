@@ -144,6 +144,38 @@ def test_hundreds_of_cases_are_summarized_under_githubs_limit() -> None:
     assert evidence.run.command in markdown
 
 
+def test_a_summarized_table_samples_from_the_first_case_to_the_last() -> None:
+    """With fewer than twice as many cases as rows it showed the first rows only (72 cases:
+    batch 1-16 of 1-64, and none of the cases the batch-64 claims rest on)."""
+    evidence = many_cases(copies=5, failing_copies=0)  # 60 passing cases
+    cases = evidence.cases
+    table = render_markdown(evidence).split("## Cases", 1)[1].split("\n## ", 1)[0]
+    shown = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines()]
+    shown = [row for row in shown if row.startswith("batch=")]
+    assert len(shown) == MAX_CASE_ROWS < len(cases)
+    assert shown[0] == cases[0].id and shown[-1] == cases[-1].id
+    assert shown == [c.id for c in cases if c.id in shown]  # in order, no repeats
+
+
+def test_a_crashed_case_shows_no_error_ratio() -> None:
+    """It has a correctness record without trials, whose ratio of 0 read as a perfect match."""
+    evidence = load("cpu_rmsnorm")
+    case = evidence.cases[0]
+    assert case.correctness is not None
+    crashed = case.model_copy(
+        update={
+            "status": "crashed",
+            "performance": None,
+            "correctness": case.correctness.model_copy(
+                update={"trials": [], "worst_error_ratio": 0.0}
+            ),
+        }
+    )
+    evidence = evidence.model_copy(update={"cases": [crashed, *evidence.cases[1:]]})
+    row = next(line for line in render_markdown(evidence).splitlines() if crashed.id in line)
+    assert row.split(" | ")[3] == "-", row
+
+
 def test_submitted_text_cannot_open_html() -> None:
     evidence = load("cpu_offgrid_fail")
     case = evidence.cases[0]

@@ -352,3 +352,35 @@ def test_the_code_digest_covers_entry_points_outside_the_repository(
     (package / "candidate.py").write_text("def forward(w, i, o):\n    o.clear()\n")
     assert code_digest(REPO_ROOT, ["elsewhere.candidate"]) != before
     assert code_digest(REPO_ROOT, ["no.such.module"]) == code_digest(REPO_ROOT)
+
+
+def test_the_code_digest_finds_entry_points_an_editable_install_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pip install -e` may serve a package through a finder of its own, not sys.path: under
+    the console script the entry modules were left out, so `pathgate validate` and a worker
+    gave one tree two digests."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    from harness.evaluation.checkpoint import module_file
+
+    package = tmp_path / "served"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (package / "candidate.py").write_text("def forward(w, i, o):\n    pass\n")
+
+    class EditableFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+            if name != "served":
+                return None
+            init = package / "__init__.py"
+            return importlib.util.spec_from_file_location(
+                name, init, submodule_search_locations=[str(package)]
+            )
+
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, EditableFinder()])
+    assert module_file("served.candidate") == package / "candidate.py"
+    assert code_digest(REPO_ROOT, ["served.candidate"]) != code_digest(REPO_ROOT)
+    assert "served" not in sys.modules

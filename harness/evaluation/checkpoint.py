@@ -15,8 +15,8 @@ a scope on their own machine), never by the service's workers.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -127,11 +127,21 @@ def code_digest(root: Path, entry_modules: Sequence[str] = ()) -> str:
 
 
 def module_file(module: str) -> Path | None:
-    """The source file `import module` would load, found on sys.path without importing anything
-    (a package's __init__ may be submitted code, not to run before the harness is ready)."""
-    parts = module.split(".")
-    for entry in sys.path:
-        base = Path(entry or ".").joinpath(*parts)
+    """The source file `import module` would load, found without running any module's code (a
+    package's __init__ may be submitted code, not to run before the harness is ready): the
+    top-level package through the import system's finders (sys.path, and the finder an editable
+    install registers), the rest as files under it."""
+    top, *rest = module.split(".")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: finds, executes nothing
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if not rest:
+        return Path(spec.origin) if spec.origin and Path(spec.origin).is_file() else None
+    for location in spec.submodule_search_locations or []:
+        base = Path(location).joinpath(*rest)
         for candidate in (base.with_suffix(".py"), base / "__init__.py"):
             if candidate.is_file():
                 return candidate

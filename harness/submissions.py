@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 Enqueue = Callable[[int, str], None]  # (job id, queue)
 
 
+def manifest_file_name(submission_id: int) -> str:
+    """The submitted manifest's file name: its download's, and its run's reproduce command's."""
+    return f"submission-{submission_id}.yaml"
+
+
 @dataclass(frozen=True)
 class Source:
     kind: Literal["in_tree", "git"]

@@ -165,6 +165,7 @@ def evaluate_request(request: dict[str, Any]) -> str:
         quick=bool(request["quick"]),
         seed=request["seed"],
         gpus=request.get("gpus"),
+        scope_path=request.get("scope_path", ""),
     )
     return evaluate(manifest, options).model_dump_json()
 

@@ -63,6 +63,9 @@ class RunRequest:
     gpus: int | None = None  # run only the cases of this GPU count; None: every count
     timeout_s: float = 1800.0  # wall clock for the whole child
     workdir: Path | None = None  # the child's scratch (HOME, TMPDIR, Triton cache); temp if None
+    # what the evidence's reproduce command calls the manifest (the service: the file
+    # GET /v1/submissions/{id}/manifest.yaml downloads)
+    scope_path: str = ""
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,7 @@ def _request_json(request: RunRequest) -> dict[str, Any]:
         "quick": request.quick,
         "seed": request.seed,
         "gpus": request.gpus,
+        "scope_path": request.scope_path,
     }
 
 

@@ -23,7 +23,7 @@ from harness.config import get_settings
 from harness.store import repositories as repo
 from harness.store.db import session_scope
 from harness.store.models import Job, utcnow
-from harness.submissions import Source
+from harness.submissions import Source, manifest_file_name
 from workers import gpu_health
 from workers import heartbeat as worker_identity
 from workers.celery_app import app, enqueue, task_time_limit_s
@@ -148,6 +148,7 @@ def _claim(job_id: int, worker: str) -> Claim | None:
             gpus=gpus_of_queue(job.queue),
             timeout_s=settings.job_timeout_s,
             workdir=workdir,
+            scope_path=manifest_file_name(submission.id),
         )
         return Claim(request, source, job.attempts, workdir)
 

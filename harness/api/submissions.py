@@ -100,6 +100,23 @@ def report_html(submission_id: SubmissionId, session: SessionDep, token: Current
     return render_combined_html(combined_report(session, submission))
 
 
+@router.get(
+    "/submissions/{submission_id}/manifest.yaml",
+    response_class=PlainTextResponse,
+    responses=NOT_FOUND,
+)
+def manifest_yaml(
+    submission_id: SubmissionId, session: SessionDep, token: CurrentToken
+) -> PlainTextResponse:
+    """The manifest as submitted: the file its reports' reproduce commands name."""
+    submission = _visible(session, submission_id, token)
+    name = submissions.manifest_file_name(submission.id)
+    headers = {"Content-Disposition": f'attachment; filename="{name}"'}
+    return PlainTextResponse(
+        submission.manifest_text, media_type="application/yaml", headers=headers
+    )
+
+
 @router.post(
     "/submissions/{submission_id}/rerun",
     status_code=201,

@@ -14,6 +14,7 @@ from harness.reports.html import render_report_section, render_sections_page
 from harness.reports.markdown import inline_text
 from harness.store import repositories as repo
 from harness.store.models import Submission
+from harness.submissions import manifest_file_name
 
 
 def combined_report(session: Session, submission: Submission) -> dict[str, Any]:
@@ -87,15 +88,7 @@ def render_combined_markdown(report: dict[str, Any]) -> str:
     # reasons and a job's reason can carry a candidate's exception text: escaped as the job
     # reports escape it
     lines += [f"- {inline_text(reason)}" for reason in report["verdict_reasons"]] + [""]
-    source = report["source"]
-    if source["kind"] == "git":
-        lines += [
-            f"Source: `{source['url']}` at `{source['sha']}` (check it out, then run the "
-            "reproduce command from its root).",
-            "",
-        ]
-    else:
-        lines += ["Source: in-tree (this pathgate checkout).", ""]
+    lines += [_how_to_reproduce(report), ""]
     for job in report["jobs"]:
         lines += [f"## Job {job['id']} on `{job['queue']}`: {job['state']}", ""]
         if job["reason"] and not job["markdown"]:
@@ -164,5 +157,19 @@ def _summary_html(report: dict[str, Any], verdict: str) -> Markup:
     return Markup(
         f"<h1>Submission {report['submission']}: {html.escape(report['scope'])}: "
         f"<span class='verdict verdict-{html.escape(verdict)}'>{html.escape(verdict)}</span></h1>"
-        f"<ul>{reasons}</ul>"
+        f"<ul>{reasons}</ul><p>{html.escape(_how_to_reproduce(report).replace('`', ''))}</p>"
     )
+
+
+def _how_to_reproduce(report: dict[str, Any]) -> str:
+    """A job's reproduce command names the submitted manifest's file, not a file of this tree
+    (a contributor's manifest need not be one), and runs in the submitted source."""
+    source, submission = report["source"], report["submission"]
+    manifest = (
+        f"save the submitted manifest (`GET /v1/submissions/{submission}/manifest.yaml`) as "
+        f"`{manifest_file_name(submission)}` and run a job's reproduce command"
+    )
+    if source["kind"] == "git":
+        where = f"Source: `{source['url']}` at `{source['sha']}`. To reproduce: check it out,"
+        return f"{where} {manifest} from its root."
+    return f"Source: in-tree (this pathgate checkout). To reproduce: {manifest}."

@@ -267,7 +267,7 @@ def test_another_contributors_submission_is_404(
     client: TestClient, alice: dict[str, str], bob: dict[str, str], maintainer: dict[str, str]
 ) -> None:
     submission_id = _submit(client, alice)
-    for path in ("", "/report.json", "/report.md", "/report.html"):
+    for path in ("", "/report.json", "/report.md", "/report.html", "/manifest.yaml"):
         assert client.get(f"/v1/submissions/{submission_id}{path}", headers=bob).status_code == 404
         assert (
             client.get(f"/v1/submissions/{submission_id}{path}", headers=alice).status_code == 200

@@ -207,6 +207,15 @@ def test_submission_runs_on_a_real_worker_and_its_report_is_served(service: Serv
         f"/v1/submissions/{submission_id}/report.md", headers=service.headers
     ).text
     assert "**PASS**" in markdown and "--seed" in markdown
+    # the reproduce command names the submitted manifest's download, which is the text run
+    manifest_name = f"submission-{submission_id}.yaml"
+    assert evidence["run"]["command"].startswith(f"pathgate validate {manifest_name} ")
+    assert f"`GET /v1/submissions/{submission_id}/manifest.yaml`" in markdown
+    download = service.client.get(
+        f"/v1/submissions/{submission_id}/manifest.yaml", headers=service.headers
+    )
+    assert f'filename="{manifest_name}"' in download.headers["content-disposition"]
+    assert download.text == cpu_scope("tests.fixtures.bad_paths:honest_forward")
     reports, results, _ = _counts(submission_id)
     assert reports == 1
     assert results == len(evidence["cases"]) + len(evidence["probes"])

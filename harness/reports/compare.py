@@ -40,6 +40,8 @@ class Comparison:
     matched: list[CaseDiff]
     only_a: list[str]  # case ids timed in A alone (random sizes differ between seeds)
     only_b: list[str]
+    # what else differs between the runs, making a case's two latencies less comparable
+    differences: list[str]
 
 
 def compare_runs(a: Evidence, b: Evidence, seed: int = 0) -> Comparison:
@@ -57,7 +59,27 @@ def compare_runs(a: Evidence, b: Evidence, seed: int = 0) -> Comparison:
         matched=matched,
         only_a=[i for i in perf_a if i not in perf_b],
         only_b=[i for i in perf_b if i not in perf_a],
+        differences=run_differences(a, b),
     )
+
+
+def run_differences(a: Evidence, b: Evidence) -> list[str]:
+    """The manifest's fields, the GPU and the plan's size where the two runs differ. The code
+    may differ: comparing two versions of a path is what this view is for."""
+    differences = []
+    fields = [
+        name
+        for name in a.manifest.keys() | b.manifest.keys()
+        if a.manifest.get(name) != b.manifest.get(name)
+    ]
+    if fields:
+        differences.append(f"the manifests differ in {', '.join(sorted(fields))}")
+    gpu_a, gpu_b = (e.environment.get("gpu_name") or e.run.device for e in (a, b))
+    if gpu_a != gpu_b:
+        differences.append(f"the GPUs differ: {gpu_a} and {gpu_b}")
+    if a.run.quick != b.run.quick:
+        differences.append("one run is --quick (fewer cases, trials and samples), the other not")
+    return differences
 
 
 def _timed(evidence: Evidence) -> dict[str, PerformanceEvidence]:

@@ -33,3 +33,30 @@ def test_a_real_slowdown_is_significant() -> None:
         assert case.performance is not None
         case.performance.candidate_us = [x * 1.2 for x in case.performance.candidate_us]
     assert all(d.significant and d.diff_us > 0 for d in compare_runs(a, slower).matched)
+
+
+def test_two_runs_of_one_setting_have_no_differences_to_warn_of() -> None:
+    a = load("h200_rmsnorm")
+    assert compare_runs(a, a.model_copy(deep=True)).differences == []
+    # the rerun came after the claims were set from the first run's numbers
+    rerun = compare_runs(a, load("h200_rmsnorm_rerun"))
+    assert rerun.differences == ["the manifests differ in claims"]
+
+
+def test_another_manifest_gpu_or_plan_size_is_named() -> None:
+    """A scope name is all two submissions need to share: one with another batch range, run
+    on the CPU and --quick, was compared as if it were the same setting."""
+    a = load("h200_rmsnorm")
+    manifest = {**a.manifest, "workload": {**a.manifest["workload"], "batch": {"min": 1, "max": 4}}}
+    b = a.model_copy(
+        update={
+            "manifest": manifest,
+            "environment": {**a.environment, "gpu_name": "cpu"},
+            "run": a.run.model_copy(update={"quick": not a.run.quick}),
+        }
+    )
+    assert compare_runs(a, b).differences == [
+        "the manifests differ in workload",
+        f"the GPUs differ: {a.environment['gpu_name']} and cpu",
+        "one run is --quick (fewer cases, trials and samples), the other not",
+    ]

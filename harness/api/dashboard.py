@@ -11,6 +11,7 @@ Templates autoescape everything: evidence and comments carry submitted text.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path as FilePath
@@ -40,7 +41,8 @@ from harness.store import dashboard as store
 from harness.store import repositories as repo
 from harness.store.models import SUBMISSION_STATES, ApiToken, Job, Report, Submission
 
-router = APIRouter(prefix="/dashboard", include_in_schema=False)
+PREFIX = "/dashboard"
+router = APIRouter(prefix=PREFIX, include_in_schema=False)
 TEMPLATES = template_environment(FilePath(__file__).parent / "templates")
 REPORT_CACHE = ReportCache(max_entries=128)
 PER_PAGE = 50
@@ -111,6 +113,13 @@ def _set_cookie(request: Request, response: Response, session: web.WebSession) -
 
 def _error(request: Request, status: int, message: str, viewer: Viewer | None = None) -> Response:
     return _render(request, "error.html", status, viewer, status=status, message=message)
+
+
+def invalid_request_page(request: Request, errors: Sequence[Any]) -> Response:
+    """A dashboard URL with a bad parameter (page=0, an id that is not a number): the HTML error
+    page, not the API's JSON."""
+    problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in errors)
+    return _error(request, 422, f"This address has a value the dashboard cannot use ({problems}).")
 
 
 def _to_login(request: Request) -> RedirectResponse:

@@ -255,3 +255,25 @@ def test_out_of_range_ids_are_422_not_500(client: TestClient, seeded: Seeded) ->
     ):
         assert client.get(url).status_code == 422, url
     assert client.get("/dashboard/submissions/999999").status_code == 404
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/dashboard/submissions?page=0",
+        "/dashboard/submissions?page=abc",
+        "/dashboard/submissions/abc",
+        "/dashboard/compare?a=1",
+    ],
+)
+def test_a_bad_dashboard_address_gets_the_html_error_page(
+    client: TestClient, seeded: Seeded, url: str
+) -> None:
+    """It got the API's JSON body, meant for programs, in a person's browser."""
+    sign_in(client, seeded.tokens["maria"])
+    response = client.get(url)
+    assert response.status_code == 422
+    assert response.headers["content-type"].startswith("text/html")
+    assert "<h1>422</h1>" in response.text
+    assert "the dashboard cannot use" in response.text
+    assert client.get("/v1/submissions?page=0").headers["content-type"] == "application/json"

@@ -8,7 +8,7 @@ cannot drift apart. Everything here is a field of the evidence or a statistic of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from harness.evaluation.evidence import (
     CaseEvidence,
@@ -41,6 +41,8 @@ ENVIRONMENT_KEYS = (
     ("harness SHA", "harness_sha"),
     ("fingerprint", "fingerprint_hash"),
 )
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,16 @@ def correctness_summary(evidence: Evidence) -> CorrectnessSummary:
         probes=len(evidence.probes),
         probes_passed=sum(p.status == "passed" for p in evidence.probes),
     )
+
+
+def even_sample(items: list[T], count: int) -> list[T]:
+    """`count` of the items, evenly spaced from the first to the last, in order."""
+    if len(items) <= count:
+        return items
+    if count <= 1:
+        return items[:count]
+    picks = {round(i * (len(items) - 1) / (count - 1)) for i in range(count)}
+    return [items[i] for i in sorted(picks)]
 
 
 def error_ratio(case: CaseEvidence) -> float | None:

@@ -262,14 +262,18 @@ def _worst_errors(case: CaseEvidence) -> tuple[float, float]:
 
 
 def _kernels(evidence: Evidence) -> str:
-    timed = [c for c in evidence.cases if c.performance][:MAX_BAR_CATEGORIES]
+    timed = [c for c in evidence.cases if c.performance]
+    title = "Kernels per layer"
+    if len(timed) > MAX_BAR_CATEGORIES:  # evenly spaced from first to last, and said so
+        title += f" ({MAX_BAR_CATEGORIES} of {len(timed)} timed cases, evenly spaced)"
+        timed = facts.even_sample(timed, MAX_BAR_CATEGORIES)
     timed.sort(key=lambda c: (c.context or 0, c.batch))
     labels = [_short_label(c) for c in timed]
     stock = [_kernel_value(c, stock=True) for c in timed]
     candidate = [_kernel_value(c, stock=False) for c in timed]
     groups = [("stock", stock), ("candidate", candidate)]
     # the same colours as the latency plot: candidate PALETTE[0], stock PALETTE[1]
-    return bar_chart("Kernels per layer", "kernels", labels, groups, colors=[1, 0])
+    return bar_chart(title, "kernels", labels, groups, colors=[1, 0])
 
 
 def _short_label(case: CaseEvidence) -> str:

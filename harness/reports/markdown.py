@@ -129,13 +129,9 @@ def _cases_to_show(cases: list[CaseEvidence]) -> list[CaseEvidence]:
         return cases
     failing = [c for c in cases if c.status != "passed"][:MAX_CASE_ROWS]
     others = [c for c in cases if c.status == "passed"]
-    room = MAX_CASE_ROWS - len(failing)
-    if room <= 1:
-        return failing + others[:room]
     # from the first case to the last: a step of len // room kept the first `room` cases only
     # whenever there were fewer than twice as many (72 cases: batch 1-16 of 1-64)
-    picks = sorted({round(i * (len(others) - 1) / (room - 1)) for i in range(room)})
-    return failing + [others[i] for i in picks]
+    return failing + facts.even_sample(others, MAX_CASE_ROWS - len(failing))
 
 
 def _case_row(case: CaseEvidence) -> str:

@@ -15,8 +15,22 @@ from xml.sax.saxutils import escape, quoteattr
 
 WIDTH, HEIGHT = 720, 340
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 64, 190, 34, 48
-# Colour-blind-safe (Okabe-Ito). Stock lines are dashed, so pairs stay apart in grey print too.
-PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000")
+# Colour-blind-safe: Okabe-Ito, then Paul Tol's muted wine, teal, olive and grey, so the ten
+# contexts of a large scope get ten colours (seven wrapped: 1024 and 32768 drew alike). Stock
+# lines are dashed, so pairs stay apart in grey print too.
+PALETTE = (
+    "#0072B2",
+    "#D55E00",
+    "#009E73",
+    "#CC79A7",
+    "#E69F00",
+    "#56B4E9",
+    "#000000",
+    "#882255",
+    "#44AA99",
+    "#999933",
+    "#888888",
+)
 SVG_NS = "http://www.w3.org/2000/svg"
 
 

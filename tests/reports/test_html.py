@@ -105,3 +105,12 @@ def test_combined_submission_page_has_each_jobs_report() -> None:
     )
     assert "cpu: &lt;waiting&gt;" in html
     assert html.count("<svg ") == 4 and evidence.run.command in html
+
+
+def test_the_kernel_chart_samples_every_batch_and_says_so() -> None:
+    """It kept the first 48 of 72 cases and dropped the largest batches without a word."""
+    evidence = many_cases(copies=6, failing_copies=0)  # 72 timed cases
+    html = str(render_report_section(evidence))
+    figure = html.split('data-figure="kernels"', 1)[1].split("</svg>", 1)[0]
+    assert "Kernels per layer (48 of 72 timed cases, evenly spaced)" in figure
+    assert figure.count('<rect class="bar"') == 2 * 48

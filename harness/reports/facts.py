@@ -271,9 +271,17 @@ def decode_check_line(evidence: Evidence) -> str | None:
     return (
         f"{check.status} ({shape}; {check.case}): greedy tokens agree at "
         f"{check.token_match:.1%} of steps (at least {check.min_token_match:.1%}), {divergence}; "
-        f"mean KL(stock || candidate) {check.mean_kl:.3g} nats (at most {check.max_mean_kl:g}), "
-        f"max {check.max_kl:.3g}" + _distance_from_reference(check)
+        f"mean KL(stock || candidate) {_kl(check.mean_kl)} nats (at most {check.max_mean_kl:g}), "
+        f"max {_kl(check.max_kl)}" + _distance_from_reference(check)
     )
+
+
+def _kl(value: float | None) -> str:
+    """A KL divergence; below 1e-6 nats the float sums' rounding decides its sign and digits
+    (identical distributions read -1.18e-09), so it prints as that bound."""
+    if value is None:
+        return "-"
+    return "< 1e-06" if abs(value) < 1e-6 else f"{value:.3g}"
 
 
 def _distance_from_reference(check: DecodeCheckEvidence) -> str:

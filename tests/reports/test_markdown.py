@@ -193,3 +193,28 @@ def test_huge_reasons_are_cut_but_the_reproduce_command_stays() -> None:
     assert len(markdown) < GITHUB_LIMIT_CHARS
     assert "truncated to stay under GitHub's limit" in markdown
     assert markdown.rstrip().endswith(f"{evidence.run.command}\n```")
+
+
+def test_a_kl_below_float_rounding_prints_as_its_bound() -> None:
+    """Identical distributions summed to -1.18e-09 nats, printed as a negative divergence."""
+    from harness.evaluation.evidence import DecodeCheckEvidence
+    from harness.reports.facts import decode_check_line
+
+    check = DecodeCheckEvidence(
+        case="batch=16 context=1024 cp=1 gpus=1 bfloat16",
+        layers=4,
+        steps=32,
+        prompts=4,
+        vocab=4096,
+        min_token_match=0.95,
+        max_mean_kl=1e-3,
+        status="passed",
+        reasons=[],
+        token_match=1.0,
+        first_divergence=[None] * 4,
+        mean_kl=-1.18e-09,
+        max_kl=0.0125,
+    )
+    line = decode_check_line(load("cpu_rmsnorm").model_copy(update={"decode_check": check}))
+    assert line is not None
+    assert "mean KL(stock || candidate) < 1e-06 nats" in line and "max 0.0125" in line

@@ -201,7 +201,10 @@ def environment_rows(evidence: Evidence, source: SourceInfo | None) -> list[tupl
             value: Any = f"{env.get('host_gpu')} x {env.get('host_gpu_count')}"
         else:
             value = env.get(key)
-        rows.append((label, "-" if value is None else str(value)))
+        text = "-" if value is None else str(value)
+        if key == "harness_sha" and text.endswith("-dirty"):  # this commit alone is not the code
+            text += " (uncommitted changes; the code digest below pins the code that ran)"
+        rows.append((label, text))
     if source is not None and source.kind == "git":
         rows.append(("candidate source", f"{source.url} at {source.sha}"))
     elif source is not None:

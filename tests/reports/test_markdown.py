@@ -218,3 +218,21 @@ def test_a_kl_below_float_rounding_prints_as_its_bound() -> None:
     line = decode_check_line(load("cpu_rmsnorm").model_copy(update={"decode_check": check}))
     assert line is not None
     assert "mean KL(stock || candidate) < 1e-06 nats" in line and "max 0.0125" in line
+
+
+def test_a_dirty_tree_is_flagged_beside_its_sha() -> None:
+    """Most stored GPU runs ran on a tree with uncommitted changes: checking out the SHA alone
+    does not give the code that ran."""
+    evidence = load("cpu_rmsnorm")
+    evidence = evidence.model_copy(
+        update={"environment": {**evidence.environment, "harness_sha": "74d2858-dirty"}}
+    )
+    markdown = render_markdown(evidence)
+    assert (
+        "| harness SHA | 74d2858-dirty (uncommitted changes; the code digest below pins the "
+        "code that ran) |" in markdown
+    )
+    clean = load("cpu_rmsnorm")
+    assert "uncommitted" not in render_markdown(clean) or clean.environment.get(
+        "harness_sha", ""
+    ).endswith("-dirty")

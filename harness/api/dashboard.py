@@ -424,11 +424,20 @@ def compare(request: Request, db: SessionDep, a: Id, b: Id) -> Response:
 
 
 def _compare_plot(ev_a: Evidence, ev_b: Evidence, a: int, b: int) -> str:
+    """One line per run and context (a colour per context, run B dashed): one line per run over
+    every context zigzagged between them."""
+    contexts = sorted({c.context or 0 for e in (ev_a, ev_b) for c in e.cases if c.performance})
     series = []
-    for color, (label, evidence) in enumerate(((f"report {a}", ev_a), (f"report {b}", ev_b))):
-        timed = sorted((c for c in evidence.cases if c.performance), key=lambda c: c.batch)
-        perfs = [(c.batch, c.performance) for c in timed if c.performance]
-        points = [(x, p.candidate_us_median) for x, p in perfs]
-        series.append(Series(label, points, [p.candidate_us_ci95 for _, p in perfs], color))
+    for run, (label, evidence) in enumerate(((f"report {a}", ev_a), (f"report {b}", ev_b))):
+        for color, context in enumerate(contexts):
+            timed = sorted(
+                (c for c in evidence.cases if c.performance and (c.context or 0) == context),
+                key=lambda c: c.batch,
+            )
+            perfs = [(c.batch, c.performance) for c in timed if c.performance]
+            points = [(x, p.candidate_us_median) for x, p in perfs]
+            name = f"{label} c{context}" if context else label
+            errors = [p.candidate_us_ci95 for _, p in perfs]
+            series.append(Series(name, points, errors, color, dashed=run == 1))
     chart = LineChart("Candidate latency per layer, two runs", "batch", "µs per layer", series)
     return line_chart(chart)

@@ -277,3 +277,23 @@ def test_a_bad_dashboard_address_gets_the_html_error_page(
     assert "<h1>422</h1>" in response.text
     assert "the dashboard cannot use" in response.text
     assert client.get("/v1/submissions?page=0").headers["content-type"] == "application/json"
+
+
+def test_the_compare_plot_draws_one_line_per_run_and_context() -> None:
+    """One line per run over every context went back and forth between the contexts."""
+    from harness.api.dashboard import _compare_plot
+    from tests.reports.evidence_fixtures import load
+
+    evidence = load("h200_rmsnorm")
+    cases = [
+        case.model_copy(update={"context": 1024 if i % 2 else 32768})
+        for i, case in enumerate(evidence.cases)
+    ]
+    evidence = evidence.model_copy(update={"cases": cases})
+    svg = _compare_plot(evidence, evidence, 1, 2)
+    lines = re.findall(r'<polyline points="([^"]*)"', svg)
+    assert len(lines) == 4  # two runs x two contexts
+    for line in lines:
+        xs = [float(point.split(",")[0]) for point in line.split()]
+        assert xs == sorted(xs)
+    assert svg.count('stroke-dasharray="6 4"/>') >= 2  # run B's lines

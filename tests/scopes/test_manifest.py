@@ -196,3 +196,19 @@ def test_a_manifest_that_is_not_utf8_exits_2(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "not UTF-8 text" in " ".join(result.output.split())
     assert "Traceback" not in result.output
+
+
+def test_check_warns_of_an_entry_point_whose_module_is_not_found(tmp_path: Path) -> None:
+    """It said "valid" and validate then crashed every case on the import; finding the module
+    imports nothing (a package's __init__ may be submitted code)."""
+    scope = tmp_path / "scope.yaml"
+    scope.write_text(
+        GOOD.replace("kernels.fused_add_rmsnorm.problem:Problem", "nonexistent.mod:Foo")
+    )
+    result = CliRunner().invoke(app, ["check", str(scope)])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "path.problem: no module 'nonexistent.mod' on this Python's path" in output
+    assert "path.candidate" not in output and "path.baseline" not in output
+    good = CliRunner().invoke(app, ["check", str(SCOPES / "fused-add-rmsnorm-h200.yaml")])
+    assert "warning" not in good.output

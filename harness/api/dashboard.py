@@ -207,6 +207,10 @@ def submissions_list(
         owner_id=viewer.owner_id,
     )
     rows, total = store.list_page(db, filters, (page - 1) * PER_PAGE, PER_PAGE)
+    pages = max(1, -(-total // PER_PAGE))
+    if page > pages:  # past the end (an old link, a hand-typed page): the last page
+        last = _query(filters, page=pages)
+        return RedirectResponse(f"/dashboard/submissions?{last}", status_code=303)
     return _render(
         request,
         "list.html",
@@ -214,7 +218,7 @@ def submissions_list(
         rows=rows,
         total=total,
         page=page,
-        pages=max(1, -(-total // PER_PAGE)),
+        pages=pages,
         filters=filters,
         query=lambda **changes: _query(filters, **changes),
         states=SUBMISSION_STATES,

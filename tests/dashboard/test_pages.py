@@ -204,6 +204,14 @@ def test_list_filters_and_pages(client: TestClient, seeded: Seeded) -> None:
     assert ids("state=nonsense") == first  # an unknown filter value filters nothing
     # PostgreSQL's text cannot hold NUL: such a filter failed the query (500)
     assert ids("scope=%00") == ids("submitter=a%00b") == first
+    # a scope no submission has: the filter stays visible instead of reading "any"
+    page = client.get("/dashboard/submissions?scope=%3Cscript%3Ex").text
+    assert "0 submissions" in page
+    assert '<option value="&lt;script&gt;x" selected>&lt;script&gt;x (no submissions)' in page
+    # past the last page: the last page, filters kept
+    past = client.get("/dashboard/submissions?submitter=alice&page=999", follow_redirects=False)
+    assert past.status_code == 303
+    assert past.headers["location"] == "/dashboard/submissions?submitter=alice&page=2"
 
 
 def test_submission_page_shows_jobs_log_report_and_artifacts(

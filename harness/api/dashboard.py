@@ -428,8 +428,8 @@ def compare(request: Request, db: SessionDep, a: Id, b: Id) -> Response:
 
 
 def _compare_plot(ev_a: Evidence, ev_b: Evidence, a: int, b: int) -> str:
-    """One line per run and context (a colour per context, run B dashed): one line per run over
-    every context zigzagged between them."""
+    """One line per run and context (a colour per context, run B dashed); one line per run over
+    every context went back and forth between the contexts."""
     contexts = sorted({c.context or 0 for e in (ev_a, ev_b) for c in e.cases if c.performance})
     series = []
     for run, (label, evidence) in enumerate(((f"report {a}", ev_a), (f"report {b}", ev_b))):

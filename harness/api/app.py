@@ -58,9 +58,9 @@ async def _pathgate_error(request: Request, exc: PathgateError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
     if request.url.path.startswith(dashboard.PREFIX):  # a person's browser, not an API client
         return dashboard.invalid_request_page(request, exc.errors())
+    errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
     return JSONResponse({"detail": "invalid request", "errors": errors}, status_code=422)
 
 

@@ -97,6 +97,8 @@ def start_job(job_id: int, worker: str) -> StartedJob | None:
     claim = _claim(job_id, worker)
     if claim is None:
         return None
+    # A fresh workspace: nothing an earlier run left at this path may reach this one.
+    shutil.rmtree(claim.workdir, ignore_errors=True)
     try:
         source_dir = prepare_source(
             claim.source, claim.workdir / "src", get_settings().git_protocols

@@ -44,3 +44,22 @@ def test_git_itself_refuses_a_transport_outside_the_list(
     monkeypatch.setattr(workspace, "git_protocol", lambda url: "https")
     with pytest.raises(SourceError, match=r"git fetch failed .*transport 'file' not allowed"):
         workspace.checkout(url, sha, tmp_path / "dest", ["https"])
+
+
+def test_what_an_earlier_run_planted_at_the_path_never_runs(tmp_path: Path) -> None:
+    """A child may write into the folder a later job checks out to (2026-12-05 review: it
+    planted .git/hooks/post-checkout, which the worker's git then ran with the worker's
+    secrets). The checkout starts from an empty folder and runs no hook."""
+    url, sha = git_repo(tmp_path / "origin", {"kernels/x.py": "X = 1\n"})
+    dest = tmp_path / "dest"
+    marker = tmp_path / "hook-ran"
+    for hook in ("post-checkout", "reference-transaction", "post-index-change"):
+        planted = dest / ".git" / "hooks" / hook
+        planted.parent.mkdir(parents=True, exist_ok=True)
+        planted.write_text(f"#!/bin/sh\necho {hook} >> {marker}\n")
+        planted.chmod(0o755)
+    (dest / "planted.py").write_text("PLANTED = True\n")
+    checkout(url, sha, dest, ["https", "file"])
+    assert not marker.exists(), marker.read_text()
+    assert not (dest / "planted.py").exists()
+    assert (dest / "kernels" / "x.py").read_text() == "X = 1\n"

@@ -274,9 +274,13 @@ def worker(
     queues: Annotated[str | None, typer.Option(help="comma-separated; default: detected")] = None,
 ) -> None:
     """Run a Celery worker consuming the queues this machine's hardware can serve."""
-    from workers.run import run_worker
+    from workers.run import CannotIsolate, run_worker
 
-    run_worker(queues.split(",") if queues else None)
+    try:
+        run_worker(queues.split(",") if queues else None)
+    except CannotIsolate as exc:
+        _error(str(exc))
+        raise typer.Exit(EXIT_USAGE) from None
 
 
 @app.command()

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     # ssh fetches with the worker's own keys and file from the worker's own disk: allow them
     # only where every contributor is trusted (JSON: PATHGATE_GIT_PROTOCOLS='["https","file"]').
     git_protocols: list[str] = ["https"]
+    # A worker runs submitted code only where the OS gives its child network, PID and mount
+    # namespaces (workers/runner.py); true runs it without them, for trusted submitters only.
+    allow_unisolated: bool = False
 
     # Base URL of this service as users reach it (links in statuses, PR comments).
     public_url: str = "http://127.0.0.1:8000"

@@ -344,3 +344,31 @@ def test_import_vllm_with_options_it_cannot_use_exits_2(options: list[str], word
     result = CliRunner().invoke(app, ["serving", "import-vllm", str(VLLM_RESULT), *options])
     assert result.exit_code == 2 and words in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_a_worker_that_cannot_isolate_submitted_code_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without namespaces (no unshare, a container's default profiles) a child would see the
+    worker's network and every file of its user: the worker says so and stops, unless the
+    setting says every submitter is trusted. The "github" worker runs no submitted code."""
+    from workers import heartbeat, runner
+    from workers import run as worker_run
+
+    monkeypatch.setattr(heartbeat, "identity", heartbeat.identity)  # restored after the test
+    started = []
+    monkeypatch.setattr(runner, "isolation", lambda: runner.Isolation((), False, False))
+    monkeypatch.setattr("workers.celery_app.app.worker_main", lambda argv: started.append(argv))
+    result = CliRunner().invoke(app, ["worker", "--queues", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert "PATHGATE_ALLOW_UNISOLATED=true" in result.output
+    assert started == []
+    worker_run.run_worker(["github"])
+    assert started and started[-1][started[-1].index("-Q") + 1] == "github"
+    monkeypatch.setenv("PATHGATE_ALLOW_UNISOLATED", "true")
+    get_settings.cache_clear()
+    try:
+        assert CliRunner().invoke(app, ["worker", "--queues", "cpu"]).exit_code == 0
+    finally:
+        get_settings.cache_clear()
+    assert started[-1][started[-1].index("-Q") + 1] == "cpu"

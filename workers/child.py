@@ -34,6 +34,12 @@ OPEN_FILES_LIMIT = 4096
 # Dropped from sys.modules before the path's modules import, so a checkout's own `kernels`
 # package is the one its entry points get (the harness itself may have imported the in-tree one).
 SHADOWABLE_PACKAGES = ("kernels",)
+PROCESS_LIMIT = 4096  # a fork bomb stops here (per user; root in the worker's namespace is exempt)
+SHM = "/dev/shm"  # stays writable: NCCL's and torch's shared-memory segments live there
+# Linux's mount(2), unshare(2) and mount_setattr(2) constants (x86-64 and arm64 alike)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000
+CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
 
 
 def message_mac(key: bytes, kind: str, payload: str) -> str:
@@ -52,16 +58,17 @@ def main() -> int:
         print(f"workers.child: unreadable request on stdin: {exc!r}", file=sys.stderr)
         return 2
     die_with_parent(int(envelope.get("parent_pid", 0)))
-    loopback_up()  # before hide_files: in the user namespace it enters, lo is not ours to set
-    hidden = hide_files(envelope.get("hidden", []), envelope.get("worker_mount_namespace", ""))
+    loopback_up()  # before confine_files: in the user namespace it enters, lo is not ours to set
+    confined = confine_files(
+        envelope.get("hidden", []),
+        envelope.get("writable", []),
+        envelope.get("worker_mount_namespace", ""),
+    )
     del envelope
     # pass_fds made the result pipe inheritable; programs a candidate starts must not get it.
     os.set_inheritable(result_fd, False)
     limit_resources()
-    if hidden is not None:
-        print(f"workers.child: {len(hidden)} service file(s) hidden from the evaluation")
-    else:
-        print("workers.child: no mount namespace of its own; the service's files stay visible")
+    print(f"workers.child: {confined}")
     try:
         evidence_json = evaluate_request(request)
     except BaseException as exc:  # SystemExit from a candidate too: report it, then exit 1
@@ -91,36 +98,74 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(3)  # the worker died before prctl took effect
 
 
-def hide_files(paths: list[str], worker_namespace: str) -> list[str] | None:
-    """Bind /dev/null over each of the worker's service files (its database, broker, .env, keys),
-    then enter a user and mount namespace of our own, in which those mounts are locked: the
-    submitted code can neither read the files nor unmount what covers them. Only in a mount
-    namespace of our own (the runner's `unshare --mount-proc`): in the worker's, a mount would
-    cover the files for the whole host. Returns the paths hidden, or None without a mount
-    namespace of our own."""
+def confine_files(hidden: list[str], writable: list[str], worker_namespace: str) -> str:
+    """In a mount namespace of our own (the runner's `unshare --mount-proc`): cover the worker's
+    service files and credentials (`hidden`: /dev/null over a file, an empty read-only tmpfs over
+    a folder), make the whole file system read-only but the run's own folders (`writable`: its
+    workdir) and /dev/shm, then enter a user and mount namespace of our own, in which all of it
+    is locked: submitted code can neither uncover the files nor make anything writable again.
+    So it cannot plant files in another job's workspace, change the worker's harness, or read
+    its keys. In the worker's own namespace none of this may happen (it would cover the files
+    for the whole host). Returns what was done, for the log."""
     if sys.platform != "linux" or not worker_namespace:
-        return None
+        return "no mount namespace of its own; the file system is as the worker sees it"
     try:
         if os.readlink("/proc/self/ns/mnt") == worker_namespace:
-            return None
+            return "no mount namespace of its own; the file system is as the worker sees it"
     except OSError:
-        return None
+        return "no mount namespace of its own; the file system is as the worker sees it"
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    ms_bind, clone_newuser, clone_newns = 0x1000, 0x10000000, 0x00020000
-    hidden = []
-    for path in paths:
-        if (
-            os.path.isfile(path)
-            and libc.mount(b"/dev/null", path.encode(), None, ms_bind, None) == 0
-        ):
-            hidden.append(path)
-    # A mount made in this namespace could be unmounted by whoever holds CAP_SYS_ADMIN here (a
+    covered = [path for path in hidden if _cover(libc, path)]
+    read_only = _read_only_except(libc, [*writable, *([SHM] if os.path.ismount(SHM) else [])])
+    done = f"{len(covered)} service file(s) and credential folder(s) hidden"
+    done += "; read-only but its workdir" if read_only else "; the file system stays writable"
+    # A mount made in this namespace could be undone by whoever holds CAP_SYS_ADMIN here (a
     # mapped root); in a namespace owned by a new user namespace, inherited mounts are locked.
-    if libc.unshare(clone_newuser | clone_newns) != 0:
-        print("workers.child: the service files are covered, not locked (no user namespace)")
-    return hidden
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
+        done += " (not locked: no user namespace)"
+    return done
+
+
+def _cover(libc: Any, path: str) -> bool:
+    if os.path.isdir(path):
+        options = b"size=4k,mode=000"
+        flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+        return bool(libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, options) == 0)
+    return (
+        os.path.isfile(path) and libc.mount(b"/dev/null", path.encode(), None, MS_BIND, None) == 0
+    )
+
+
+def _read_only_except(libc: Any, writable: list[str]) -> bool:
+    """Every mount read-only (mount_setattr, Linux 5.12+), then each writable folder bound onto
+    itself and made writable again: a mount of its own, so only that subtree is."""
+    for path in writable:
+        if libc.mount(path.encode(), path.encode(), None, MS_BIND | MS_REC, None) != 0:
+            return False
+    if not _set_read_only(libc, "/", True, recursive=True):
+        return False
+    return all(_set_read_only(libc, path, False, recursive=True) for path in writable)
+
+
+def _set_read_only(libc: Any, path: str, read_only: bool, recursive: bool) -> bool:
+    import ctypes
+
+    # struct mount_attr {u64 attr_set, attr_clr, propagation, userns_fd}
+    attr = struct.pack(
+        "QQQQ", *((MOUNT_ATTR_RDONLY, 0) if read_only else (0, MOUNT_ATTR_RDONLY)), 0, 0
+    )
+    flags = AT_RECURSIVE if recursive else 0
+    result = libc.syscall(
+        ctypes.c_long(SYS_MOUNT_SETATTR),
+        ctypes.c_int(AT_FDCWD),
+        ctypes.c_char_p(path.encode()),
+        ctypes.c_uint(flags),
+        ctypes.c_char_p(attr),
+        ctypes.c_size_t(len(attr)),
+    )
+    return bool(result == 0)
 
 
 def loopback_up() -> None:
@@ -137,11 +182,13 @@ def loopback_up() -> None:
 
 
 def limit_resources() -> None:
-    """No core dumps, no file over 4 GiB, at most 4096 open files; soft and hard, so submitted
-    code cannot raise them again. No memory limit: CUDA maps huge virtual ranges."""
+    """No core dumps, no file over 4 GiB, at most 4096 open files and 4096 processes; soft and
+    hard, so submitted code cannot raise them again. No memory limit: CUDA maps huge virtual
+    ranges (a cgroup would be the way; not built)."""
     _limit(resource.RLIMIT_CORE, CORE_LIMIT)
     _limit(resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT)
     _limit(resource.RLIMIT_NOFILE, OPEN_FILES_LIMIT)
+    _limit(resource.RLIMIT_NPROC, PROCESS_LIMIT)
 
 
 def _limit(which: int, value: int) -> None:

@@ -12,6 +12,7 @@ import threading
 
 from harness.config import get_settings
 from harness.evaluation.environment import detect_host
+from harness.github.hooks import GITHUB_QUEUE
 from harness.store.migrate import upgrade
 from workers import heartbeat
 from workers.routing import queues_for_host
@@ -23,10 +24,33 @@ def detected_queues() -> tuple[list[str], str]:
     return queues_for_host(host.gpu, host.count), f"{host.gpu}x{host.count}"
 
 
+class CannotIsolate(Exception):
+    pass
+
+
+def check_isolation(queues: list[str]) -> None:
+    """A worker that runs submitted code (any queue but "github") needs the child's network, PID
+    and mount namespaces, or the setting that says every submitter is trusted."""
+    from workers.runner import isolation
+
+    if queues == [GITHUB_QUEUE] or get_settings().allow_unisolated:
+        return
+    found = isolation()
+    if not (found.network and found.processes):
+        raise CannotIsolate(
+            "this OS does not let the worker give submitted code its own network, PID and mount "
+            "namespaces (unshare; in a container: its seccomp and AppArmor profiles), so a "
+            "submission could read the worker's secrets and reach its network. Run the worker "
+            "where unshare works, or set PATHGATE_ALLOW_UNISOLATED=true if every submitter is "
+            "trusted."
+        )
+
+
 def run_worker(queues: list[str] | None = None) -> None:
     from workers.celery_app import app
 
     found, hardware = detected_queues()
+    check_isolation(queues or found)
     heartbeat.identity = heartbeat.Identity(queues or found, hardware, os.getpid())
     name = f"pathgate-{os.getpid()}@{socket.gethostname()}"
     app.worker_main(
@@ -89,7 +113,7 @@ def serve_all(host: str, port: int, embedded_worker: bool) -> None:
         commands.append([sys.executable, "-m", "harness.cli", "worker"])
     # GitHub statuses are posted from the API's side (workers on GPU machines never hold GitHub
     # credentials), by their own process so a status never waits behind an hour-long job.
-    commands.append([sys.executable, "-m", "harness.cli", "worker", "--queues", "github"])
+    commands.append([sys.executable, "-m", "harness.cli", "worker", "--queues", GITHUB_QUEUE])
     processes = [subprocess.Popen(command) for command in commands]
     stopping = threading.Event()
     for process in processes:

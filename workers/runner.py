@@ -3,11 +3,12 @@
 The child (`python -m workers.child`) gets its own process group, a scratch folder as HOME,
 TMPDIR and cwd, an allow-listed environment (no PATHGATE_* settings, no tokens, no database or
 broker URL), where the OS allows it new network and PID namespaces (no connection out, no view
-of other processes or their environments), and a wall-clock limit, after which its whole process
-group is killed. Its
-stdout and stderr only go to a log file; the result travels over a private pipe and is accepted
-only with a valid HMAC under a fresh per-run key, so a forged verdict printed or written by a
-candidate is never taken for the evidence.
+of other processes or their environments) and a mount namespace in which the file system is
+read-only except its scratch folder, and the worker's service files and credentials are covered;
+and a wall-clock limit, after which its whole process group is killed. Its stdout and stderr
+only go to a log file; the result travels over a private pipe and is accepted only with a valid
+HMAC under a fresh per-run key, so a forged verdict printed or written by a candidate is never
+taken for the evidence.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def isolation() -> Isolation:
 def service_files(settings: Settings) -> list[Path]:
     """The worker's files that a child must not read or write: the SQLite database and broker
     (with their journals), the .env file, the GitHub App key. The child hides them in its own
-    mount namespace (workers.child.hide_files); they exist only on the embedded defaults or
+    mount namespace (workers.child.confine_files); they exist only on the embedded defaults or
     where a deployment keeps them beside the worker."""
     found = [Path(".env")]
     for url in (settings.database_url, settings.broker_url):
@@ -143,6 +144,31 @@ def service_files(settings: Settings) -> list[Path]:
     if settings.github_private_key_path is not None:
         found.append(settings.github_private_key_path)
     return [path.resolve() for path in found if path.is_file()]
+
+
+# What a worker's user may keep in its home that a submission must not read: keys and tokens
+# for ssh, git hosts, clouds, registries and databases.
+CREDENTIALS = (
+    ".ssh",
+    ".gnupg",
+    ".aws",
+    ".azure",
+    ".kube",
+    ".docker",
+    ".config/gh",
+    ".config/gcloud",
+    ".git-credentials",
+    ".netrc",
+    ".pypirc",
+    ".pgpass",
+)
+
+
+def credential_paths() -> list[Path]:
+    """The credential files and folders of CREDENTIALS in the worker's home, where they exist.
+    The child covers them (a folder with an empty read-only tmpfs)."""
+    home = Path.home()
+    return [(home / name).resolve() for name in CREDENTIALS if (home / name).exists()]
 
 
 def _sqlite_file(url: str) -> str | None:
@@ -190,7 +216,7 @@ def _run(request: RunRequest, workdir: Path) -> RunOutcome:
         try:
             process = _spawn(workdir, log, write_fd)
             try:
-                _send_request(process, request, write_fd, key)
+                _send_request(process, request, write_fd, key, workdir)
                 raw, timed_out = _collect(process, read_fd, started + request.timeout_s)
             finally:
                 _kill_group(process)
@@ -221,13 +247,14 @@ def _spawn(workdir: Path, log: IO[bytes], write_fd: int) -> subprocess.Popen[byt
 
 
 def _send_request(
-    process: subprocess.Popen[bytes], request: RunRequest, result_fd: int, key: bytes
+    process: subprocess.Popen[bytes], request: RunRequest, result_fd: int, key: bytes, workdir: Path
 ) -> None:
     envelope = {
         "result_fd": result_fd,
         "key": key.hex(),
         "parent_pid": os.getpid(),
-        "hidden": [str(path) for path in service_files(get_settings())],
+        "hidden": [str(p) for p in [*service_files(get_settings()), *credential_paths()]],
+        "writable": [str(workdir)],
         "worker_mount_namespace": _mount_namespace(),
         "request": _request_json(request),
     }

@@ -280,6 +280,65 @@ def test_child_cannot_read_or_uncover_the_services_files(
     assert database.read_text() == f"database holding {secret}"  # the worker's view is intact
 
 
+def test_child_writes_only_its_own_folder(tmp_path: Path) -> None:
+    """A submission that could write outside its scratch folder could plant files in another
+    job's workspace (2026-12-05 review: git hooks the worker then ran) or change the worker's
+    own harness for every later submission. Only its workdir and /dev/shm are writable."""
+    if not isolation().processes:
+        pytest.skip("this OS does not allow a mount namespace of the child's own (unshare)")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    sibling = tmp_path / "job-2-attempt-1" / "src"
+    sibling.mkdir(parents=True)
+    shm = Path("/dev/shm") / f"pathgate-test-{os.urandom(4).hex()}"
+    targets = {
+        "sibling": sibling / "planted.py",
+        "harness": REPO_ROOT / "harness" / f"planted_{os.urandom(4).hex()}.py",
+        "own": workdir.resolve() / "own.txt",
+        "shm": shm,
+    }
+    (workdir / hostile_paths.TARGETS_FILE).write_text(
+        json.dumps([str(p) for p in targets.values()])
+    )
+    try:
+        outcome = run(hostile("writes_outside_forward"), workdir)
+        assert isinstance(outcome, Finished), outcome
+        written = json.loads((workdir / hostile_paths.WRITES_FILE).read_text())
+        assert written[str(targets["own"])] == "written", written
+        assert written[str(targets["shm"])] == "written", written
+        for name in ("sibling", "harness"):
+            assert "Read-only file system" in written[str(targets[name])], written
+            assert not targets[name].exists()
+        assert "read-only but its workdir" in outcome.log_tail, outcome.log_tail
+    finally:
+        targets["harness"].unlink(missing_ok=True)
+        shm.unlink(missing_ok=True)
+
+
+def test_child_cannot_read_the_workers_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's ssh keys and git credentials (an ssh fetch uses them) sit in its home,
+    readable by its user; the child sees an empty folder and an empty file there."""
+    if not isolation().processes:
+        pytest.skip("this OS does not allow a mount namespace of the child's own (unshare)")
+    home = tmp_path / "worker-home"
+    secret = f"secret-{os.urandom(8).hex()}"
+    key, credentials = home / ".ssh" / "id_ed25519", home / ".git-credentials"
+    key.parent.mkdir(parents=True)
+    key.write_text(secret)
+    credentials.write_text(f"https://user:{secret}@github.com")
+    monkeypatch.setenv("HOME", str(home))
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / hostile_paths.TARGETS_FILE).write_text(json.dumps([str(key), str(credentials)]))
+    outcome = run(hostile("reads_service_files_forward"), workdir)
+    assert isinstance(outcome, Finished), outcome
+    seen = json.loads((workdir / hostile_paths.SEEN_FILES_FILE).read_text())
+    assert not [text for text in seen.values() if secret in text], seen
+    assert key.read_text() == secret  # the worker's view is intact
+
+
 def test_child_runs_under_resource_limits(tmp_path: Path) -> None:
     workdir = tmp_path / "work"
     outcome = run(hostile("dumps_environment_forward"), workdir)
@@ -289,6 +348,7 @@ def test_child_runs_under_resource_limits(tmp_path: Path) -> None:
     assert limits["RLIMIT_CORE"] == [0, 0]
     assert limits["RLIMIT_FSIZE"] == [min(4 * GIB, parent_hard("RLIMIT_FSIZE"))] * 2
     assert limits["RLIMIT_NOFILE"] == [min(4096, parent_hard("RLIMIT_NOFILE"))] * 2
+    assert limits["RLIMIT_NPROC"] == [min(4096, parent_hard("RLIMIT_NPROC"))] * 2
 
 
 def test_only_a_line_signed_with_the_run_key_is_accepted() -> None:

@@ -203,16 +203,19 @@ def evaluate_request(request: dict[str, Any]) -> str:
     # The harness, the manifest model and their dependencies import before the source folder
     # joins sys.path, so a checkout cannot shadow them with modules of the same name.
     from harness.evaluation.engine import EngineOptions, evaluate
+    from harness.evaluation.environment import REPO_ROOT
     from scopes.manifest import load_manifest
 
     manifest = load_manifest(request["manifest_yaml"])
-    prefer_source_dir(Path(request["source_dir"]))
+    source_dir = Path(request["source_dir"]).resolve()
+    prefer_source_dir(source_dir)
     options = EngineOptions(
         device=request["device"],
         quick=bool(request["quick"]),
         seed=request["seed"],
         gpus=request.get("gpus"),
         scope_path=request.get("scope_path", ""),
+        submitted_source=None if source_dir == REPO_ROOT else source_dir,
     )
     return evaluate(manifest, options).model_dump_json()
 

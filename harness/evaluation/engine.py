@@ -42,6 +42,7 @@ from harness.evaluation.loading import (
     EntryPointError,
     LoadedPath,
     load_path,
+    submitted_judges,
     use_triton_interpreter,
 )
 from harness.evaluation.outcomes import (
@@ -94,6 +95,9 @@ class EngineOptions:
     scope_path: str = ""  # as the command line named it, for the reproduce command
     checkpoint: Path | None = None  # written after every case (harness.evaluation.checkpoint)
     resume: checkpoints.Checkpoint | None = None  # an interrupted run's cases, not run again
+    # A submission's checkout the path imports from (the service's git source); None: the
+    # harness's own tree. Its problem and baseline files must be the harness tree's.
+    submitted_source: Path | None = None
 
 
 def default_stop_rule(device: torch.device, quick: bool) -> StopRule:
@@ -133,6 +137,7 @@ def evaluate(
         run.tampering,
         run.decode_check,
         list(plan.left_out),
+        run.review,
     )
     # the resolved device, not `auto`: on another host `auto` may pick another device
     scope_path = options.scope_path or f"scopes/{manifest.name}.yaml"
@@ -208,6 +213,7 @@ class RunResults:
     probes: list[ProbeEvidence] = field(default_factory=list)
     tampering: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # the pre-screen's; evaluate adds the floor's
+    review: list[str] = field(default_factory=list)  # why no verdict may pass without a reviewer
     decode_check: DecodeCheckEvidence | None = None
 
 
@@ -228,7 +234,10 @@ def _run_path(
     except EntryPointError as exc:
         crashed = Crashed(f"loading the path: {exc}")
         return RunResults(cases=[_case_evidence(c, crashed) for c in plan.cases])
-    run = RunResults(warnings=[f"pre-screen: {f}" for f in screen_entry_points(manifest)])
+    run = RunResults(
+        warnings=[f"pre-screen: {f}" for f in screen_entry_points(manifest)],
+        review=submitted_judges(path, options.submitted_source, REPO_ROOT),
+    )
     if _tampered(snapshot, "importing the path", run):
         return run
     _run_plan(path, plan, manifest, host, secret_seed, options, progress, record, run, snapshot)

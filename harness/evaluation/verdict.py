@@ -193,9 +193,11 @@ def decide(
     tampering: list[str] | None = None,
     decode_check: DecodeCheckEvidence | None = None,
     left_out: list[str] | None = None,
+    review: list[str] | None = None,
 ) -> tuple[Verdict, list[str]]:
     """The verdict and its reasons. `left_out`: parts of the scope this host could not run (a
-    PASS would speak for them too)."""
+    PASS would speak for them too); `review`: reasons from outside the measurements that no
+    verdict may pass without a reviewer (a submission's own problem or baseline)."""
     failures = [f"tampering: {t}" for t in tampering or []]
     if decode_check is not None and decode_check.status in ("failed", "crashed"):
         failures.append(
@@ -212,7 +214,7 @@ def decide(
     ]
     if failures:
         return "FAIL", failures
-    review = review_reasons(cases)
+    review = (review or []) + review_reasons(cases)
     if review:
         return "NEEDS_REVIEW", review
     if not cases:

@@ -386,6 +386,44 @@ def test_checkout_imports_its_own_module_but_cannot_shadow_the_harness(tmp_path:
     assert outcome.evidence.verdict == "PASS", outcome.evidence.verdict_reasons
 
 
+def copy_of_the_rmsnorm_package(checkout: Path) -> Path:
+    """The checkout holds its own copy of kernels/fused_add_rmsnorm, as a pull request that
+    touches that package does."""
+    package = checkout / "kernels" / "fused_add_rmsnorm"
+    package.mkdir(parents=True)
+    (checkout / "kernels" / "__init__.py").write_bytes(
+        (REPO_ROOT / "kernels/__init__.py").read_bytes()
+    )
+    for source in (REPO_ROOT / "kernels" / "fused_add_rmsnorm").glob("*.py"):
+        (package / source.name).write_bytes(source.read_bytes())
+    (checkout / "contrib_paths.py").write_text(CONTRIB_MODULE)
+    return package
+
+
+def test_a_submissions_own_stock_path_goes_to_a_reviewer(tmp_path: Path) -> None:
+    """The baseline and problem define what right and fast mean: a checkout whose copy of the
+    stock path differs from the worker's (here a slower one) gets NEEDS_REVIEW naming the
+    file; byte-identical copies pass."""
+    same = tmp_path / "same"
+    copy_of_the_rmsnorm_package(same)
+    outcome = run("contrib_paths:forward", tmp_path / "w1", "contrib_paths:supports", same)
+    assert isinstance(outcome, Finished), outcome
+    assert outcome.evidence.verdict == "PASS", outcome.evidence.verdict_reasons
+
+    changed = tmp_path / "changed"
+    stock = copy_of_the_rmsnorm_package(changed) / "stock.py"
+    stock.write_text(
+        stock.read_text() + "\nimport time\n_real = forward\n\n\n"
+        "def forward(weights, inputs, out):\n    time.sleep(0.001)\n"
+        "    _real(weights, inputs, out)\n"
+    )
+    outcome = run("contrib_paths:forward", tmp_path / "w2", "contrib_paths:supports", changed)
+    assert isinstance(outcome, Finished), outcome
+    assert outcome.evidence.verdict == "NEEDS_REVIEW", outcome.evidence.verdict_reasons
+    (reason,) = outcome.evidence.verdict_reasons
+    assert "kernels/fused_add_rmsnorm/stock.py" in reason and "changes" in reason, reason
+
+
 def test_child_has_no_network(tmp_path: Path) -> None:
     if not isolation().network:
         pytest.skip("this OS does not allow a new network namespace (unshare)")

@@ -248,6 +248,7 @@ def _tampered(snapshot: Snapshot, when: str, run: RunResults) -> bool:
     replaced = snapshot.replaced()
     if replaced:
         run.tampering.append(f"{', '.join(replaced)} replaced while {when}")
+        snapshot.restore_code()
     return bool(replaced)
 
 

@@ -2,7 +2,8 @@
 and checks after the submitted code is imported (and after every case) that none was replaced.
 
 A candidate that swaps `time.perf_counter`, `torch.cuda.Event.elapsed_time`, a graph's replay or
-one of the engine's own functions would otherwise decide its own timings or verdict. Watched:
+one of the engine's own functions (or its code object) would otherwise decide its own timings or
+verdict. Watched:
 the stdlib and torch names below, and everything the evaluation modules define: their
 functions and classes, the methods of those classes, and their UPPER_CASE constants (a
 verdict threshold such as REVIEW_SPEEDUP_ABOVE), private ones included.
@@ -61,10 +62,16 @@ WATCHED = (
 )
 
 
+# A function can be changed without being replaced: its code and defaults are writable.
+FUNCTION_PARTS = ("__code__", "__defaults__", "__kwdefaults__")
+
+
 @dataclass(frozen=True)
 class Snapshot:
     # the objects themselves (not ids): held here, they cannot be freed and their ids reused
     objects: dict[str, object]
+    # each watched function's FUNCTION_PARTS as they were
+    function_parts: dict[str, tuple[object, ...]]
 
     @classmethod
     def take(cls) -> Snapshot:
@@ -72,11 +79,34 @@ class Snapshot:
         for name, module in list(sys.modules.items()):
             if module is not None and _is_harness(name):
                 objects.update(_definitions(name, module))
-        return cls(objects)
+        parts = {name: _parts(obj) for name, obj in objects.items() if inspect.isfunction(obj)}
+        return cls(objects, parts)
 
     def replaced(self) -> list[str]:
-        """Names whose object is no longer the one the snapshot saw."""
-        return [name for name, obj in self.objects.items() if _current(name) is not obj]
+        """Names whose object is no longer the one the snapshot saw, or whose code or defaults
+        were swapped in place."""
+        names = [name for name, obj in self.objects.items() if _current(name) is not obj]
+        for name, parts in self.function_parts.items():
+            now = _parts(self.objects[name])
+            names += [
+                f"{name}.{part}"
+                for part, before, after in zip(FUNCTION_PARTS, parts, now, strict=True)
+                if after is not before
+            ]
+        return names
+
+    def restore_code(self) -> None:
+        """Put back code and defaults swapped in place: the engine holds these very function
+        objects (the verdict among them), so after a swap is recorded they must run as written."""
+        for name, parts in self.function_parts.items():
+            function = self.objects[name]
+            for part, value in zip(FUNCTION_PARTS, parts, strict=True):
+                if getattr(function, part, None) is not value:
+                    setattr(function, part, value)
+
+
+def _parts(function: object) -> tuple[object, ...]:
+    return tuple(getattr(function, part, None) for part in FUNCTION_PARTS)
 
 
 def _is_harness(module_name: str) -> bool:

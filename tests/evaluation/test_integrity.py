@@ -46,6 +46,7 @@ def restore_originals() -> Iterator[None]:
         ("event_timer_forward", "torch.cuda.Event.elapsed_time"),
         ("verdict_forward", "harness.evaluation.verdict.decide"),
         ("private_check_forward", "harness.evaluation.correctness._within_tolerance"),
+        ("code_swap_forward", "harness.evaluation.verdict.decide.__code__"),
     ],
 )
 def test_replacing_what_the_harness_uses_is_a_fail(candidate: str, replaced: str) -> None:

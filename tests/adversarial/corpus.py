@@ -149,6 +149,19 @@ ATTACKS = (
         note="honest arithmetic: caught means every connection failed",
     ),
     Attack(
+        "writes_outside",
+        "plants files beside its workspace and in the harness's source tree",
+        ("PASS",),
+        ("blocked",),
+        note="honest arithmetic: caught means no write outside its own folder succeeded",
+    ),
+    Attack(
+        "swaps_verdict_code",
+        "swaps the verdict function's code in place, zeros computed",
+        ("FAIL",),
+        ("tampering",),
+    ),
+    Attack(
         "endless_loop",
         "never returns",
         ("timed_out",),

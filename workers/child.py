@@ -35,7 +35,8 @@ OPEN_FILES_LIMIT = 4096
 # package is the one its entry points get (the harness itself may have imported the in-tree one).
 SHADOWABLE_PACKAGES = ("kernels",)
 PROCESS_LIMIT = 4096  # a fork bomb stops here (per user; root in the worker's namespace is exempt)
-SHM = "/dev/shm"  # stays writable: NCCL's and torch's shared-memory segments live there
+SHM = "/dev/shm"  # the run's own tmpfs, writable: NCCL's and torch's shared memory lives there
+SHM_OPTIONS = b"size=25%,mode=1777"
 # Linux's mount(2), unshare(2) and mount_setattr(2) constants (x86-64 and arm64 alike)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000
 CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
@@ -59,16 +60,20 @@ def main() -> int:
         return 2
     die_with_parent(int(envelope.get("parent_pid", 0)))
     loopback_up()  # before confine_files: in the user namespace it enters, lo is not ours to set
-    confined = confine_files(
+    confined, complete = confine_files(
         envelope.get("hidden", []),
         envelope.get("writable", []),
         envelope.get("worker_mount_namespace", ""),
     )
+    required = bool(envelope.get("require_confinement", False))
     del envelope
     # pass_fds made the result pipe inheritable; programs a candidate starts must not get it.
     os.set_inheritable(result_fd, False)
     limit_resources()
     print(f"workers.child: {confined}")
+    if required and not complete:  # fail closed: no submitted code runs half-confined
+        send(result_fd, key, "error", f"the worker could not confine the evaluation: {confined}")
+        return 1
     try:
         evidence_json = evaluate_request(request)
     except BaseException as exc:  # SystemExit from a candidate too: report it, then exit 1
@@ -98,37 +103,53 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(3)  # the worker died before prctl took effect
 
 
-def confine_files(hidden: list[str], writable: list[str], worker_namespace: str) -> str:
+def confine_files(
+    hidden: list[str], writable: list[str], worker_namespace: str
+) -> tuple[str, bool]:
     """In a mount namespace of our own (the runner's `unshare --mount-proc`): cover the worker's
     service files and credentials (`hidden`: /dev/null over a file, an empty read-only tmpfs over
-    a folder), make the whole file system read-only but the run's own folders (`writable`: its
-    workdir) and /dev/shm, then enter a user and mount namespace of our own, in which all of it
-    is locked: submitted code can neither uncover the files nor make anything writable again.
-    So it cannot plant files in another job's workspace, change the worker's harness, or read
-    its keys. In the worker's own namespace none of this may happen (it would cover the files
-    for the whole host). Returns what was done, for the log."""
+    a folder), give the run a private /dev/shm, make the whole file system read-only but the
+    run's own folders (`writable`: its workdir) and that /dev/shm, then enter a user and mount
+    namespace of our own, in which all of it is locked: submitted code can neither uncover the
+    files nor make anything writable again. So it cannot plant files in another job's
+    workspace or for a later job, change the worker's harness, or read its keys. In the worker's
+    own namespace none of this may happen (it would cover the files for the whole host).
+    Returns what was done, for the log, and whether all of it was."""
     if sys.platform != "linux" or not worker_namespace:
-        return "no mount namespace of its own; the file system is as the worker sees it"
+        return "no mount namespace of its own; the file system is as the worker sees it", False
     try:
         if os.readlink("/proc/self/ns/mnt") == worker_namespace:
-            return "no mount namespace of its own; the file system is as the worker sees it"
+            return "no mount namespace of its own; the file system is as the worker sees it", False
     except OSError:
-        return "no mount namespace of its own; the file system is as the worker sees it"
+        return "no mount namespace of its own; the file system is as the worker sees it", False
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    covered = [path for path in hidden if _cover(libc, path)]
-    read_only = _read_only_except(libc, [*writable, *([SHM] if os.path.ismount(SHM) else [])])
-    done = f"{len(covered)} service file(s) and credential folder(s) hidden"
-    done += "; read-only but its workdir" if read_only else "; the file system stays writable"
+    failed = [path for path in hidden if not _cover(libc, path)]
+    shm = _private_shm(libc)
+    read_only = shm and _read_only_except(libc, [*writable, *([SHM] if os.path.isdir(SHM) else [])])
     # A mount made in this namespace could be undone by whoever holds CAP_SYS_ADMIN here (a
     # mapped root); in a namespace owned by a new user namespace, inherited mounts are locked.
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
-        done += " (not locked: no user namespace)"
-    return done
+    locked = libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) == 0
+    done = f"{len(hidden) - len(failed)} of {len(hidden)} service files and credentials hidden"
+    done += "; read-only but its workdir" if read_only else "; the file system stays writable"
+    done += "" if shm else "; no private /dev/shm"
+    done += "" if locked else " (not locked: no user namespace)"
+    return done, not failed and read_only and locked
+
+
+def _private_shm(libc: Any) -> bool:
+    """A fresh tmpfs on /dev/shm, the run's own: nothing of a job before it, nothing left for
+    one after it (NCCL and torch keep shared-memory segments there)."""
+    if not os.path.isdir(SHM):
+        return True  # no /dev/shm, nothing to share
+    flags = MS_NOSUID | MS_NODEV
+    return bool(libc.mount(b"tmpfs", SHM.encode(), b"tmpfs", flags, SHM_OPTIONS) == 0)
 
 
 def _cover(libc: Any, path: str) -> bool:
+    if not os.path.exists(path):
+        return True  # nothing there to read
     if os.path.isdir(path):
         options = b"size=4k,mode=000"
         flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC

@@ -104,7 +104,7 @@ class Isolation:
     """How the child is started: a command prefix and what it keeps from the child."""
 
     prefix: tuple[str, ...]
-    network: bool  # a new, empty network namespace: every connect fails
+    network: bool  # new, empty network and IPC namespaces: every connect fails, no shared SysV IPC
     processes: bool  # a new PID namespace with its own /proc: no other process is visible
 
 
@@ -124,7 +124,7 @@ def isolation() -> Isolation:
     for user in ((), ("--user", "--map-root-user")):
         for processes in (True, False):
             extra = _NEW_PID_NAMESPACE if processes else ()
-            prefix = (*guard, "unshare", *user, "--net", *extra, "--")
+            prefix = (*guard, "unshare", *user, "--net", "--ipc", *extra, "--")
             probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
             if probe.returncode == 0:
                 return Isolation(prefix, network=True, processes=processes)
@@ -255,6 +255,8 @@ def _send_request(
         "parent_pid": os.getpid(),
         "hidden": [str(p) for p in [*service_files(get_settings()), *credential_paths()]],
         "writable": [str(workdir)],
+        # no submitted code runs half-confined, unless the operator said every submitter is trusted
+        "require_confinement": isolation().processes and not get_settings().allow_unisolated,
         "worker_mount_namespace": _mount_namespace(),
         "request": _request_json(request),
     }

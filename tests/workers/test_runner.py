@@ -306,6 +306,7 @@ def test_child_writes_only_its_own_folder(tmp_path: Path) -> None:
         written = json.loads((workdir / hostile_paths.WRITES_FILE).read_text())
         assert written[str(targets["own"])] == "written", written
         assert written[str(targets["shm"])] == "written", written
+        assert not shm.exists()  # the run's /dev/shm is its own, gone with it
         for name in ("sibling", "harness"):
             assert "Read-only file system" in written[str(targets[name])], written
             assert not targets[name].exists()
@@ -337,6 +338,24 @@ def test_child_cannot_read_the_workers_credentials(
     seen = json.loads((workdir / hostile_paths.SEEN_FILES_FILE).read_text())
     assert not [text for text in seen.values() if secret in text], seen
     assert key.read_text() == secret  # the worker's view is intact
+
+
+def test_a_child_that_cannot_be_confined_runs_no_submitted_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fail closed: a confinement step that does not take (here a credential path that is
+    neither file nor folder, so nothing can cover it) ends the run with the reason before any
+    submitted code is imported."""
+    if not isolation().processes:
+        pytest.skip("this OS does not allow a mount namespace of the child's own (unshare)")
+    fifo = tmp_path / "credential-fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setattr("workers.runner.credential_paths", lambda: [fifo])
+    workdir = tmp_path / "work"
+    outcome = run(hostile("writes_outside_forward"), workdir)
+    assert isinstance(outcome, ChildCrashed), outcome
+    assert "could not confine the evaluation: 0 of 1 service files" in outcome.error
+    assert not (workdir / hostile_paths.WRITES_FILE).exists()  # the candidate never ran
 
 
 def test_child_runs_under_resource_limits(tmp_path: Path) -> None:

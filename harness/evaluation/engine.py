@@ -41,6 +41,7 @@ from harness.evaluation.integrity import Snapshot
 from harness.evaluation.loading import (
     EntryPointError,
     LoadedPath,
+    load_judges,
     load_path,
     submitted_judges,
     use_triton_interpreter,
@@ -230,7 +231,10 @@ def _run_path(
         use_triton_interpreter()
     snapshot = Snapshot.take()  # before any submitted code is imported
     try:
-        path = load_path(manifest)
+        judges = load_judges(manifest)
+        # the stock path's own code, before the candidate could change it
+        snapshot = snapshot.including(judges.modules)
+        path = load_path(manifest, judges)
     except EntryPointError as exc:
         crashed = Crashed(f"loading the path: {exc}")
         return RunResults(cases=[_case_evidence(c, crashed) for c in plan.cases])
@@ -248,7 +252,7 @@ def _tampered(snapshot: Snapshot, when: str, run: RunResults) -> bool:
     replaced = snapshot.replaced()
     if replaced:
         run.tampering.append(f"{', '.join(replaced)} replaced while {when}")
-        snapshot.restore_code()
+        snapshot.restore()
     return bool(replaced)
 
 

@@ -3,10 +3,12 @@ and checks after the submitted code is imported (and after every case) that none
 
 A candidate that swaps `time.perf_counter`, `torch.cuda.Event.elapsed_time`, a graph's replay or
 one of the engine's own functions (or its code object) would otherwise decide its own timings or
-verdict. Watched:
-the stdlib and torch names below, and everything the evaluation modules define: their
-functions and classes, the methods of those classes, and their UPPER_CASE constants (a
-verdict threshold such as REVIEW_SPEEDUP_ABOVE), private ones included.
+verdict; one that changes the stock path's code, the yardstick itself. Watched: the stdlib and
+torch names below; in the evaluation modules and in the problem's and baseline's modules, every
+function and class they define or import by name, the methods of the classes they define, and
+their UPPER_CASE constants (a verdict threshold such as REVIEW_SPEEDUP_ABOVE), private ones
+included; and of each watched function its code and defaults. What was replaced is put back
+once recorded (`Snapshot.restore`), so the verdict is the harness's own.
 """
 
 from __future__ import annotations
@@ -95,9 +97,24 @@ class Snapshot:
             ]
         return names
 
-    def restore_code(self) -> None:
-        """Put back code and defaults swapped in place: the engine holds these very function
-        objects (the verdict among them), so after a swap is recorded they must run as written."""
+    def including(self, module_names: list[str] | tuple[str, ...]) -> Snapshot:
+        """This snapshot and the definitions of these modules as they are now: the problem's
+        and the baseline's, taken right after they load, before the candidate is imported."""
+        objects = dict(self.objects)
+        for name in module_names:
+            module = sys.modules.get(name)
+            if module is not None:
+                objects.update(_definitions(name, module))
+        parts = {name: _parts(obj) for name, obj in objects.items() if inspect.isfunction(obj)}
+        return Snapshot(objects, parts)
+
+    def restore(self) -> None:
+        """Put back what was replaced or swapped in place: the engine goes on to use these very
+        names and function objects (the verdict among them), so once the tampering is recorded
+        they must be the harness's own again."""
+        for name, obj in self.objects.items():
+            if _current(name) is not obj:
+                _put_back(name, obj)
         for name, parts in self.function_parts.items():
             function = self.objects[name]
             for part, value in zip(FUNCTION_PARTS, parts, strict=True):
@@ -114,15 +131,14 @@ def _is_harness(module_name: str) -> bool:
 
 
 def _definitions(module_name: str, module: object) -> dict[str, object]:
-    """What a harness module defines: its functions and classes (and their methods), and its
-    UPPER_CASE constants; not what it imported, and not its mutable state (lower_case)."""
+    """A module's functions and classes, its own and those it imported by name (rebinding the
+    engine's `decide` is as good as replacing verdict's), the methods of the classes it defines,
+    and its UPPER_CASE constants; not its mutable state (lower_case)."""
     found: dict[str, object] = {}
     for name, value in vars(module).items():
-        defined_here = getattr(value, "__module__", None) == module_name
-        if inspect.isfunction(value) and defined_here:
+        if inspect.isfunction(value) or inspect.isclass(value):
             found[f"{module_name}.{name}"] = value
-        elif inspect.isclass(value) and defined_here:
-            found[f"{module_name}.{name}"] = value
+        if inspect.isclass(value) and getattr(value, "__module__", None) == module_name:
             for attribute, member in vars(value).items():
                 if not attribute.startswith("__") and inspect.isfunction(member):
                     found[f"{module_name}.{name}.{attribute}"] = member
@@ -136,6 +152,19 @@ def _resolve(module: str, attribute: str) -> object:
     for part in attribute.split("."):
         target = getattr(target, part, None)
     return target
+
+
+def _put_back(name: str, obj: object) -> None:
+    """Set `name` (module.attribute[.attribute]) to obj again, on the object that holds it."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:split]))
+        if module is not None:
+            holder: object = module
+            for part in parts[split:-1]:
+                holder = getattr(holder, part)
+            setattr(holder, parts[-1], obj)
+            return
 
 
 def _current(name: str) -> object:

@@ -57,13 +57,32 @@ def use_triton_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def load_path(manifest: ScopeManifest) -> LoadedPath:
-    """The problem and the baseline load first, so the modules they import are known apart
-    from the candidate's (`judge_modules`)."""
+@dataclass(frozen=True)
+class Judges:
+    """The problem class and the baseline: what right and fast mean, loaded before the candidate
+    so the modules they import (`modules`) are known apart from the candidate's."""
+
+    problem_class: Any
+    baseline: PathFn
+    modules: tuple[str, ...]
+
+
+def load_judges(manifest: ScopeManifest) -> Judges:
+    """Their own modules and every module importing them brought in (the ones already
+    imported, by this process or an earlier evaluation in it, are their own modules only)."""
     before = set(sys.modules)
     problem_class = load_entry_point(manifest.path.problem)
-    entries = {"baseline": load_entry_point(manifest.path.baseline)}
-    judge_modules = tuple(sorted(set(sys.modules) - before))
+    baseline = load_entry_point(manifest.path.baseline)
+    own = {spec.split(":")[0] for spec in (manifest.path.problem, manifest.path.baseline)}
+    return Judges(problem_class, baseline, tuple(sorted(own | (set(sys.modules) - before))))
+
+
+def load_path(manifest: ScopeManifest, judges: Judges | None = None) -> LoadedPath:
+    """The whole path; the judges as loaded already (the engine watches them before the
+    candidate is imported), or loaded first here."""
+    judges = judges or load_judges(manifest)
+    problem_class = judges.problem_class
+    entries: dict[str, Any] = {"baseline": judges.baseline}
     for name in ("candidate", "supports"):
         entries[name] = load_entry_point(getattr(manifest.path, name))
     for name, entry in entries.items():
@@ -78,7 +97,7 @@ def load_path(manifest: ScopeManifest) -> LoadedPath:
         entries["baseline"],
         entries["candidate"],
         entries["supports"],
-        judge_modules=judge_modules,
+        judge_modules=judges.modules,
     )
 
 
@@ -86,23 +105,41 @@ def submitted_judges(path: LoadedPath, source: Path | None, trusted_root: Path) 
     """The problem (inputs, reference) and the baseline (what a speedup is measured against)
     decide what the verdict means. Where the path imports from a submission's checkout
     (`source`), every file of theirs that comes from the checkout must be byte for byte the
-    trusted tree's; one the submission adds or changes goes to a reviewer: a slower or wrong
-    stock path would otherwise pass a wrong or slow candidate (2026-12-05 review)."""
+    trusted tree's, and a real file there, not a link; one the submission adds or changes goes
+    to a reviewer: a slower or wrong stock path would otherwise pass a wrong or slow candidate
+    (2026-12-05 review). Where a module came from is its import spec's origin, as the import
+    system recorded it (a module can delete its own `__file__`)."""
     if source is None:
         return []
-    source = source.resolve()
+    source = Path(os.path.abspath(source))
     reasons = []
     for name in path.judge_modules:
-        file = getattr(sys.modules.get(name), "__file__", None)
-        if not file or not Path(file).resolve().is_relative_to(source):
-            continue
-        relative = Path(file).resolve().relative_to(source)
-        trusted = trusted_root / relative
-        if trusted.is_file() and trusted.read_bytes() == (source / relative).read_bytes():
-            continue
-        how = "changes" if trusted.is_file() else "adds"
-        reasons.append(
-            f"the problem or baseline imports {relative} ({name}), which the submission {how}: "
-            "a reviewer must accept it as the reference and the stock path before this passes"
-        )
+        problem = _judge_file_problem(sys.modules.get(name), source, trusted_root)
+        if problem:
+            reasons.append(
+                f"the problem or baseline imports {name}, {problem}: a reviewer must accept it "
+                "as the reference and the stock path before this passes"
+            )
     return reasons
+
+
+def _judge_file_problem(module: Any, source: Path, trusted_root: Path) -> str | None:
+    """Why this module of the judges cannot be taken as the trusted tree's, or None."""
+    spec = getattr(module, "__spec__", None)
+    if spec is None:
+        return "which has no import spec to tell where it came from"
+    if not spec.has_location or not spec.origin:
+        return None  # built in, frozen, or a namespace package: no file of code
+    origin = Path(os.path.abspath(spec.origin))
+    if not origin.is_relative_to(source):
+        return None  # the installed environment's, not the submission's
+    relative = origin.relative_to(source)
+    linked = [p for p in [origin, *origin.parents] if p.is_relative_to(source) and p.is_symlink()]
+    if linked:
+        return f"from {relative} in the submission, through a symbolic link"
+    trusted = trusted_root / relative
+    if not trusted.is_file():
+        return f"from {relative}, which the submission adds"
+    if trusted.read_bytes() != origin.read_bytes():
+        return f"from {relative}, which the submission changes"
+    return None

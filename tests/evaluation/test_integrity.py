@@ -47,6 +47,8 @@ def restore_originals() -> Iterator[None]:
         ("verdict_forward", "harness.evaluation.verdict.decide"),
         ("private_check_forward", "harness.evaluation.correctness._within_tolerance"),
         ("code_swap_forward", "harness.evaluation.verdict.decide.__code__"),
+        ("engine_rebind_forward", "harness.evaluation.engine.decide"),
+        ("stock_code_swap_forward", "kernels.fused_add_rmsnorm.stock.forward.__code__"),
     ],
 )
 def test_replacing_what_the_harness_uses_is_a_fail(candidate: str, replaced: str) -> None:

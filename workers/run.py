@@ -35,6 +35,14 @@ def check_isolation(queues: list[str]) -> None:
 
     if queues == [GITHUB_QUEUE] or get_settings().allow_unisolated:
         return
+    if os.geteuid() == 0:
+        # Namespaces do not change the kernel's uid: the child can open root-owned device nodes
+        # (a raw disk writes past every read-only mount) and read root-only files.
+        print(
+            "pathgate worker: running as root, so submitted code runs as uid 0 inside its "
+            "namespaces; run workers as an unprivileged user (the Dockerfile's does)",
+            file=sys.stderr,
+        )
     found = isolation()
     if not (found.network and found.processes):
         raise CannotIsolate(

@@ -40,6 +40,7 @@ from workers.child import message_mac
 
 LOG_NAME = "child.log"
 LOG_TAIL_BYTES = 8 * 1024
+LOG_KEEP_BYTES = 8 * 1024 * 1024  # of a run's log, kept in its workspace after the run
 MAX_RESULT_BYTES = 64 * 1024 * 1024  # evidence of a long GPU run is a few MB
 POLL_S = 0.1
 CHUNK_BYTES = 64 * 1024
@@ -164,6 +165,20 @@ CREDENTIALS = (
 )
 
 
+def home_paths(workdir: Path, source_dir: Path) -> list[Path]:
+    """What the child covers of the worker's home: all of it where nothing the run needs lies
+    inside (the harness, the interpreter and its base, PYTHONPATH, the workdir, the source),
+    else the credentials in it."""
+    home = Path.home().resolve()
+    needed = [Path(harness.__file__).resolve().parents[1], workdir, source_dir]
+    needed += [Path(sys.prefix), Path(sys.base_prefix)]
+    needed += [Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    inside = any(path.resolve().is_relative_to(home) for path in needed)
+    if home != Path("/") and home.is_dir() and not inside:
+        return [home]
+    return credential_paths()
+
+
 def credential_paths() -> list[Path]:
     """The credential files and folders of CREDENTIALS in the worker's home, where they exist.
     The child covers them (a folder with an empty read-only tmpfs)."""
@@ -223,6 +238,7 @@ def _run(request: RunRequest, workdir: Path) -> RunOutcome:
         finally:
             os.close(read_fd)
         tail = _log_tail(log)
+        _bound_log(log)
     if timed_out:
         return ChildTimedOut(round(time.monotonic() - started, 1), tail)
     return _outcome(raw, key, process.returncode, tail, request.seed)
@@ -253,7 +269,10 @@ def _send_request(
         "result_fd": result_fd,
         "key": key.hex(),
         "parent_pid": os.getpid(),
-        "hidden": [str(p) for p in [*service_files(get_settings()), *credential_paths()]],
+        "hidden": [
+            str(p)
+            for p in [*service_files(get_settings()), *home_paths(workdir, request.source_dir)]
+        ],
         "writable": [str(workdir)],
         # no submitted code runs half-confined, unless the operator said every submitter is trusted
         "require_confinement": isolation().processes and not get_settings().allow_unisolated,
@@ -341,6 +360,18 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):  # the group may be empty
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+
+
+def _bound_log(log: IO[bytes]) -> None:
+    """Keep the log's last LOG_KEEP_BYTES, through the parent's own handle (the path may by now
+    name something else: the child could replace it): a run may print gigabytes."""
+    size = os.fstat(log.fileno()).st_size
+    if size <= LOG_KEEP_BYTES:
+        return
+    kept = os.pread(log.fileno(), LOG_KEEP_BYTES, size - LOG_KEEP_BYTES)
+    marker = f"[the first {size - LOG_KEEP_BYTES} bytes of this log were cut]\n".encode()
+    os.ftruncate(log.fileno(), 0)
+    os.pwrite(log.fileno(), marker + kept, 0)
 
 
 def _log_tail(log: IO[bytes]) -> str:

@@ -6,6 +6,7 @@ worker down is delivered again by the sweeper, and after `job_max_attempts` it e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ from workers import heartbeat as worker_identity
 from workers.celery_app import app, enqueue, task_time_limit_s
 from workers.routing import CPU_QUEUE, gpus_of_queue
 from workers.runner import (
+    LOG_NAME,
     ChildCrashed,
     ChildTimedOut,
     Finished,
@@ -60,10 +62,24 @@ def run_job(self: Task, job_id: int) -> None:
     try:
         outcome = run_in_child(started.request)
     finally:
-        shutil.rmtree(started.workdir / "src", ignore_errors=True)
+        clear_workspace(started.workdir)
     finish_job(job_id, outcome)
     if started.request.device == "cuda" and not isinstance(outcome, Finished):
         check_gpu_after_kill(job_id, worker)
+
+
+def clear_workspace(workdir: Path) -> None:
+    """After a run, only its log stays (bounded by the runner): the checkout and whatever the
+    child wrote go, so runs cannot fill the disk. Links are removed, never followed."""
+    with contextlib.suppress(FileNotFoundError), os.scandir(workdir) as entries:
+        for entry in list(entries):
+            if entry.name == LOG_NAME and entry.is_file(follow_symlinks=False):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
 
 
 def check_gpu_after_kill(job_id: int, worker: str) -> None:

@@ -320,7 +320,8 @@ def test_child_cannot_read_the_workers_credentials(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The worker's ssh keys and git credentials (an ssh fetch uses them) sit in its home,
-    readable by its user; the child sees an empty folder and an empty file there."""
+    readable by its user; the child sees none of it: the whole home is covered where the run
+    needs nothing in it (as here), else the credential files and folders."""
     if not isolation().processes:
         pytest.skip("this OS does not allow a mount namespace of the child's own (unshare)")
     home = tmp_path / "worker-home"
@@ -350,7 +351,7 @@ def test_a_child_that_cannot_be_confined_runs_no_submitted_code(
         pytest.skip("this OS does not allow a mount namespace of the child's own (unshare)")
     fifo = tmp_path / "credential-fifo"
     os.mkfifo(fifo)
-    monkeypatch.setattr("workers.runner.credential_paths", lambda: [fifo])
+    monkeypatch.setattr("workers.runner.home_paths", lambda workdir, source: [fifo])
     workdir = tmp_path / "work"
     outcome = run(hostile("writes_outside_forward"), workdir)
     assert isinstance(outcome, ChildCrashed), outcome
@@ -434,7 +435,7 @@ def test_a_submissions_own_stock_path_goes_to_a_reviewer(tmp_path: Path) -> None
     stock.write_text(
         stock.read_text() + "\nimport time\n_real = forward\n\n\n"
         "def forward(weights, inputs, out):\n    time.sleep(0.001)\n"
-        "    _real(weights, inputs, out)\n"
+        "    _real(weights, inputs, out)\n\n\ndel __file__  # where it came from, hidden\n"
     )
     outcome = run("contrib_paths:forward", tmp_path / "w2", "contrib_paths:supports", changed)
     assert isinstance(outcome, Finished), outcome

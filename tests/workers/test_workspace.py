@@ -63,3 +63,32 @@ def test_what_an_earlier_run_planted_at_the_path_never_runs(tmp_path: Path) -> N
     assert not marker.exists(), marker.read_text()
     assert not (dest / "planted.py").exists()
     assert (dest / "kernels" / "x.py").read_text() == "X = 1\n"
+
+
+def test_after_a_run_only_its_log_stays_and_links_are_not_followed(tmp_path: Path) -> None:
+    from workers.tasks import clear_workspace
+
+    workdir, outside = tmp_path / "job-1-attempt-1", tmp_path / "outside"
+    (workdir / "src" / "kernels").mkdir(parents=True)
+    (workdir / "tmp").mkdir()
+    (workdir / "big.bin").write_bytes(b"x" * 1000)
+    (workdir / "child.log").write_text("the run's output\n")
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the run's\n")
+    (workdir / "link-to-outside").symlink_to(outside, target_is_directory=True)
+    clear_workspace(workdir)
+    assert sorted(p.name for p in workdir.iterdir()) == ["child.log"]
+    assert (outside / "keep.txt").read_text() == "not the run's\n"
+    clear_workspace(tmp_path / "never-made")  # nothing to clear is no error
+
+
+def test_a_runs_log_keeps_its_last_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers import runner
+
+    monkeypatch.setattr(runner, "LOG_KEEP_BYTES", 10)
+    with open(tmp_path / "child.log", "w+b") as log:
+        log.write(b"0123456789" * 3 + b"last line\n")
+        log.flush()
+        runner._bound_log(log)
+    text = (tmp_path / "child.log").read_text()
+    assert text == "[the first 30 bytes of this log were cut]\nlast line\n", text

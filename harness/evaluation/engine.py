@@ -230,18 +230,21 @@ def _run_path(
     if host.device == "cpu":
         use_triton_interpreter()
     snapshot = Snapshot.take()  # before any submitted code is imported
+    roots = [REPO_ROOT, *([options.submitted_source] if options.submitted_source else [])]
+    run = RunResults()
     try:
         judges = load_judges(manifest)
-        # the stock path's own code, before the candidate could change it
-        snapshot = snapshot.including(judges.modules)
+        # a submission's checkout may hold the judges: what their import changed counts too
+        if _tampered(snapshot, "importing the problem and baseline", run):
+            return run
+        # the stock path's own code, watched from before the candidate could change it
+        snapshot = snapshot.including(judges.modules, roots)
         path = load_path(manifest, judges)
     except EntryPointError as exc:
         crashed = Crashed(f"loading the path: {exc}")
         return RunResults(cases=[_case_evidence(c, crashed) for c in plan.cases])
-    run = RunResults(
-        warnings=[f"pre-screen: {f}" for f in screen_entry_points(manifest)],
-        review=submitted_judges(path, options.submitted_source, REPO_ROOT),
-    )
+    run.warnings = [f"pre-screen: {f}" for f in screen_entry_points(manifest)]
+    run.review = submitted_judges(path, options.submitted_source, REPO_ROOT)
     if _tampered(snapshot, "importing the path", run):
         return run
     _run_plan(path, plan, manifest, host, secret_seed, options, progress, record, run, snapshot)

@@ -13,10 +13,13 @@ once recorded (`Snapshot.restore`), so the verdict is the harness's own.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 # The packages whose own definitions a submission must not replace.
 HARNESS_PACKAGES = ("harness.evaluation", "scopes")
@@ -81,15 +84,14 @@ class Snapshot:
         for name, module in list(sys.modules.items()):
             if module is not None and _is_harness(name):
                 objects.update(_definitions(name, module))
-        parts = {name: _parts(obj) for name, obj in objects.items() if inspect.isfunction(obj)}
-        return cls(objects, parts)
+        return cls(objects, _function_parts(objects))
 
     def replaced(self) -> list[str]:
         """Names whose object is no longer the one the snapshot saw, or whose code or defaults
         were swapped in place."""
         names = [name for name, obj in self.objects.items() if _current(name) is not obj]
         for name, parts in self.function_parts.items():
-            now = _parts(self.objects[name])
+            now = _parts(_function_of(self.objects[name]))
             names += [
                 f"{name}.{part}"
                 for part, before, after in zip(FUNCTION_PARTS, parts, now, strict=True)
@@ -97,15 +99,21 @@ class Snapshot:
             ]
         return names
 
-    def including(self, module_names: list[str] | tuple[str, ...]) -> Snapshot:
-        """This snapshot and the definitions of these modules as they are now: the problem's
-        and the baseline's, taken right after they load, before the candidate is imported."""
-        objects = dict(self.objects)
+    def including(self, module_names: list[str] | tuple[str, ...], roots: list[Path]) -> Snapshot:
+        """This snapshot and the definitions of those of these modules whose file lies under
+        one of `roots` (the harness's tree, a submission's checkout: not third-party modules,
+        which may set their own globals lazily), as they are now: the problem's and the
+        baseline's, taken right after they load, before the candidate is imported. What this
+        snapshot already holds keeps its first record."""
+        objects: dict[str, object] = {}
         for name in module_names:
             module = sys.modules.get(name)
-            if module is not None:
+            file = getattr(module, "__file__", None)
+            if module is not None and file and any(_under(file, root) for root in roots):
                 objects.update(_definitions(name, module))
-        parts = {name: _parts(obj) for name, obj in objects.items() if inspect.isfunction(obj)}
+        objects.update(self.objects)
+        parts = _function_parts(objects)
+        parts.update(self.function_parts)
         return Snapshot(objects, parts)
 
     def restore(self) -> None:
@@ -116,10 +124,19 @@ class Snapshot:
             if _current(name) is not obj:
                 _put_back(name, obj)
         for name, parts in self.function_parts.items():
-            function = self.objects[name]
+            function = _function_of(self.objects[name])
             for part, value in zip(FUNCTION_PARTS, parts, strict=True):
                 if getattr(function, part, None) is not value:
                     setattr(function, part, value)
+
+
+def _function_parts(objects: dict[str, object]) -> dict[str, tuple[object, ...]]:
+    """FUNCTION_PARTS of each watched object that is or wraps a function."""
+    return {
+        name: _parts(_function_of(obj))
+        for name, obj in objects.items()
+        if _function_of(obj) is not None
+    }
 
 
 def _parts(function: object) -> tuple[object, ...]:
@@ -136,15 +153,27 @@ def _definitions(module_name: str, module: object) -> dict[str, object]:
     and its UPPER_CASE constants; not its mutable state (lower_case)."""
     found: dict[str, object] = {}
     for name, value in vars(module).items():
-        if inspect.isfunction(value) or inspect.isclass(value):
+        if callable(value) and not inspect.ismodule(value):  # functools.cache wrappers too
             found[f"{module_name}.{name}"] = value
         if inspect.isclass(value) and getattr(value, "__module__", None) == module_name:
             for attribute, member in vars(value).items():
-                if not attribute.startswith("__") and inspect.isfunction(member):
+                if not attribute.startswith("__") and _function_of(member) is not None:
                     found[f"{module_name}.{name}.{attribute}"] = member
         elif name.lstrip("_").isupper() and not inspect.ismodule(value):
             found[f"{module_name}.{name}"] = value
     return found
+
+
+def _function_of(member: object) -> object | None:
+    """The function a class member runs: itself, or what a staticmethod, classmethod or
+    property wraps."""
+    if inspect.isfunction(member):
+        return member
+    if isinstance(member, (staticmethod, classmethod)):
+        return member.__func__
+    if isinstance(member, property):
+        return member.fget
+    return None
 
 
 def _resolve(module: str, attribute: str) -> object:
@@ -155,16 +184,22 @@ def _resolve(module: str, attribute: str) -> object:
 
 
 def _put_back(name: str, obj: object) -> None:
-    """Set `name` (module.attribute[.attribute]) to obj again, on the object that holds it."""
+    """Set `name` (module.attribute[.attribute]) to obj again, on the object that holds it;
+    where that holder is gone too, nothing (the tampering is recorded either way)."""
     parts = name.split(".")
     for split in range(len(parts) - 1, 0, -1):
         module = sys.modules.get(".".join(parts[:split]))
         if module is not None:
             holder: object = module
             for part in parts[split:-1]:
-                holder = getattr(holder, part)
-            setattr(holder, parts[-1], obj)
+                holder = getattr(holder, part, None)
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(holder, parts[-1], obj)
             return
+
+
+def _under(file: str, root: Path) -> bool:
+    return Path(os.path.abspath(file)).is_relative_to(root)
 
 
 def _current(name: str) -> object:
@@ -176,7 +211,10 @@ def _current(name: str) -> object:
         if module is not None:
             target: object = module
             for part in parts[split:]:
-                target = getattr(target, part, None)
+                # a class's own entry, not what its descriptor makes of it (a classmethod
+                # would be a new bound method on every lookup)
+                lookup = inspect.getattr_static if inspect.isclass(target) else getattr
+                target = lookup(target, part, None)
                 if target is None:
                     return None
             return target

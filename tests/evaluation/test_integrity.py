@@ -3,6 +3,7 @@ reviewer, the constructs an attack would use."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def restore_originals() -> Iterator[None]:
         ("private_check_forward", "harness.evaluation.correctness._within_tolerance"),
         ("code_swap_forward", "harness.evaluation.verdict.decide.__code__"),
         ("engine_rebind_forward", "harness.evaluation.engine.decide"),
+        ("bandwidth_rebind_forward", "harness.evaluation.engine.hbm_bytes_per_s"),
         ("stock_code_swap_forward", "kernels.fused_add_rmsnorm.stock.forward.__code__"),
     ],
 )
@@ -59,6 +61,22 @@ def test_replacing_what_the_harness_uses_is_a_fail(candidate: str, replaced: str
     assert evidence.verdict_reasons[0].startswith("tampering: ")
     # the run stops at the first replacement: nothing measured after it is kept
     assert len(evidence.cases) == 1
+
+
+def test_a_baseline_whose_import_changes_the_harness_is_a_fail() -> None:
+    """The judges load before the candidate, from a submission's checkout in the service: what
+    their import swaps is tampering too, put back before the verdict."""
+    sys.modules.pop("tests.fixtures.tampering_baseline", None)
+    data = _manifest("fast_clock_forward")
+    data["path"]["baseline"] = "tests.fixtures.tampering_baseline:forward"
+    data["path"]["candidate"] = "tests.fixtures.bad_paths:honest_forward"
+    evidence = evaluate(
+        validate_manifest(data), EngineOptions(device="cpu", quick=True, seed=3, stop=FAST)
+    )
+    assert evidence.verdict == "FAIL", evidence.verdict_reasons
+    (tampering,) = evidence.tampering
+    assert "harness.evaluation.verdict.decide.__code__" in tampering, tampering
+    assert tampering.endswith("replaced while importing the problem and baseline"), tampering
 
 
 def test_an_honest_path_has_no_tampering() -> None:

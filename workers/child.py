@@ -37,6 +37,9 @@ SHADOWABLE_PACKAGES = ("kernels",)
 PROCESS_LIMIT = 4096  # a fork bomb stops here (per user; root in the worker's namespace is exempt)
 SHM = "/dev/shm"  # the run's own tmpfs, writable: NCCL's and torch's shared memory lives there
 SHM_OPTIONS = b"size=25%,mode=1777"
+# stays writable: the run's own /proc (its PID namespace's); the CUDA driver's cuInit fails
+# (CUDA_ERROR_OPERATING_SYSTEM) on a read-only one (measured on an H100, 2026-12-05)
+PROC = "/proc"
 # Linux's mount(2), unshare(2) and mount_setattr(2) constants (x86-64 and arm64 alike)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000
 CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
@@ -63,6 +66,7 @@ def main() -> int:
     confined, complete = confine_files(
         envelope.get("hidden", []),
         envelope.get("writable", []),
+        envelope.get("read_only", []),
         envelope.get("worker_mount_namespace", ""),
     )
     required = bool(envelope.get("require_confinement", False))
@@ -104,17 +108,18 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def confine_files(
-    hidden: list[str], writable: list[str], worker_namespace: str
+    hidden: list[str], writable: list[str], read_only: list[str], worker_namespace: str
 ) -> tuple[str, bool]:
     """In a mount namespace of our own (the runner's `unshare --mount-proc`): cover the worker's
     service files and credentials (`hidden`: /dev/null over a file, an empty read-only tmpfs over
     a folder), give the run a private /dev/shm, make the whole file system read-only but the
-    run's own folders (`writable`: its workdir) and that /dev/shm, then enter a user and mount
-    namespace of our own, in which all of it is locked: submitted code can neither uncover the
-    files nor make anything writable again. So it cannot plant files in another job's
-    workspace or for a later job, change the worker's harness, or read its keys. In the worker's
-    own namespace none of this may happen (it would cover the files for the whole host).
-    Returns what was done, for the log, and whether all of it was."""
+    run's own folders (`writable`: its workdir, less `read_only` inside it: its checkout), that
+    /dev/shm and its own /proc, then enter a user and mount namespace of our own, in which all
+    of it is locked: submitted code can neither uncover the files nor make anything writable
+    again. So it cannot plant files in another job's workspace or for a later job, change the
+    worker's harness or its own checkout, or read the worker's keys. In the worker's own
+    namespace none of this may happen (it would cover the files for the whole host). Returns
+    what was done, for the log, and whether all of it was."""
     if sys.platform != "linux" or not worker_namespace:
         return "no mount namespace of its own; the file system is as the worker sees it", False
     try:
@@ -127,15 +132,16 @@ def confine_files(
     libc = ctypes.CDLL(None, use_errno=True)
     failed = [path for path in hidden if not _cover(libc, path)]
     shm = _private_shm(libc)
-    read_only = shm and _read_only_except(libc, [*writable, *([SHM] if os.path.isdir(SHM) else [])])
+    own = [path for path in (SHM, PROC) if os.path.isdir(path)]
+    done_read_only = shm and _read_only_except(libc, [*writable, *own], read_only)
     # A mount made in this namespace could be undone by whoever holds CAP_SYS_ADMIN here (a
     # mapped root); in a namespace owned by a new user namespace, inherited mounts are locked.
     locked = libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) == 0
     done = f"{len(hidden) - len(failed)} of {len(hidden)} service files and credentials hidden"
-    done += "; read-only but its workdir" if read_only else "; the file system stays writable"
+    done += "; read-only but its workdir" if done_read_only else "; the file system stays writable"
     done += "" if shm else "; no private /dev/shm"
     done += "" if locked else " (not locked: no user namespace)"
-    return done, not failed and read_only and locked
+    return done, not failed and done_read_only and locked
 
 
 def _private_shm(libc: Any) -> bool:
@@ -159,15 +165,18 @@ def _cover(libc: Any, path: str) -> bool:
     )
 
 
-def _read_only_except(libc: Any, writable: list[str]) -> bool:
-    """Every mount read-only (mount_setattr, Linux 5.12+), then each writable folder bound onto
-    itself and made writable again: a mount of its own, so only that subtree is."""
-    for path in writable:
+def _read_only_except(libc: Any, writable: list[str], inside_read_only: list[str]) -> bool:
+    """Every mount read-only (mount_setattr, Linux 5.12+), then each writable folder made
+    writable again, and the folders inside them that must not be read-only once more: each
+    bound onto itself first, a mount of its own, so the setting covers only that subtree."""
+    for path in [*writable, *inside_read_only]:
         if libc.mount(path.encode(), path.encode(), None, MS_BIND | MS_REC, None) != 0:
             return False
     if not _set_read_only(libc, "/", True, recursive=True):
         return False
-    return all(_set_read_only(libc, path, False, recursive=True) for path in writable)
+    if not all(_set_read_only(libc, path, False, recursive=True) for path in writable):
+        return False
+    return all(_set_read_only(libc, path, True, recursive=True) for path in inside_read_only)
 
 
 def _set_read_only(libc: Any, path: str, read_only: bool, recursive: bool) -> bool:

@@ -50,7 +50,7 @@ def check_isolation(queues: list[str]) -> None:
             "namespaces (unshare; in a container: its seccomp and AppArmor profiles), so a "
             "submission could read the worker's secrets and reach its network. Run the worker "
             "where unshare works, or set PATHGATE_ALLOW_UNISOLATED=true if every submitter is "
-            "trusted."
+            "trusted (`pathgate serve --no-embedded-worker` runs the API without a worker)."
         )
 
 

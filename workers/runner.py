@@ -172,7 +172,8 @@ def home_paths(workdir: Path, source_dir: Path) -> list[Path]:
     home = Path.home().resolve()
     needed = [Path(harness.__file__).resolve().parents[1], workdir, source_dir]
     needed += [Path(sys.prefix), Path(sys.base_prefix)]
-    needed += [Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    needed += [Path(p) for p in sys.path if p]  # PYTHONPATH and .pth (editable) entries too
+    needed += [Path(p) for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
     inside = any(path.resolve().is_relative_to(home) for path in needed)
     if home != Path("/") and home.is_dir() and not inside:
         return [home]
@@ -207,6 +208,9 @@ def child_environment(workdir: Path) -> dict[str, str]:
     env["HOME"] = str(workdir)
     env["TMPDIR"] = str(workdir / "tmp")
     env["TRITON_CACHE_DIR"] = str(workdir / "triton-cache")
+    # Compiled modules are read from and written to here only: a .pyc committed in a checkout's
+    # __pycache__ (which Python would run instead of a byte-identical .py) is never used.
+    env["PYTHONPYCACHEPREFIX"] = str(workdir / "pycache")
     # The installed harness's folder first, so the child imports exactly the worker's harness;
     # then the worker's PYTHONPATH (configuration, not a secret), where a worker's packages may
     # live when they are not installed in the interpreter.
@@ -238,7 +242,7 @@ def _run(request: RunRequest, workdir: Path) -> RunOutcome:
         finally:
             os.close(read_fd)
         tail = _log_tail(log)
-        _bound_log(log)
+        _keep_log(log, workdir / LOG_NAME)
     if timed_out:
         return ChildTimedOut(round(time.monotonic() - started, 1), tail)
     return _outcome(raw, key, process.returncode, tail, request.seed)
@@ -274,6 +278,11 @@ def _send_request(
             for p in [*service_files(get_settings()), *home_paths(workdir, request.source_dir)]
         ],
         "writable": [str(workdir)],
+        # a checkout in the workdir stays as fetched: the judges' files are compared with the
+        # worker's tree after the run, so submitted code must not rewrite them meanwhile
+        "read_only": [str(request.source_dir)]
+        if request.source_dir.is_relative_to(workdir)
+        else [],
         # no submitted code runs half-confined, unless the operator said every submitter is trusted
         "require_confinement": isolation().processes and not get_settings().allow_unisolated,
         "worker_mount_namespace": _mount_namespace(),
@@ -362,16 +371,20 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def _bound_log(log: IO[bytes]) -> None:
-    """Keep the log's last LOG_KEEP_BYTES, through the parent's own handle (the path may by now
-    name something else: the child could replace it): a run may print gigabytes."""
+def _keep_log(log: IO[bytes], path: Path) -> None:
+    """Leave at `path` a new file of the log's last LOG_KEEP_BYTES, read through the parent's
+    own handle: the child may have put anything at that path meanwhile (a link, a file of its
+    own of gigabytes), and a run may print gigabytes itself."""
     size = os.fstat(log.fileno()).st_size
-    if size <= LOG_KEEP_BYTES:
-        return
-    kept = os.pread(log.fileno(), LOG_KEEP_BYTES, size - LOG_KEEP_BYTES)
-    marker = f"[the first {size - LOG_KEEP_BYTES} bytes of this log were cut]\n".encode()
-    os.ftruncate(log.fileno(), 0)
-    os.pwrite(log.fileno(), marker + kept, 0)
+    start = max(0, size - LOG_KEEP_BYTES)
+    kept = os.pread(log.fileno(), size - start, start)
+    if start:
+        kept = f"[the first {start} bytes of this log were cut]\n".encode() + kept
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a link itself, never what it points to
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    with contextlib.suppress(OSError), os.fdopen(os.open(path, flags, 0o644), "wb") as fresh:
+        fresh.write(kept)
 
 
 def _log_tail(log: IO[bytes]) -> str:

@@ -69,17 +69,32 @@ def run_job(self: Task, job_id: int) -> None:
 
 
 def clear_workspace(workdir: Path) -> None:
-    """After a run, only its log stays (bounded by the runner): the checkout and whatever the
-    child wrote go, so runs cannot fill the disk. Links are removed, never followed."""
+    """After a run, only its log stays (the runner rewrote it, bounded, from its own handle):
+    the checkout and whatever the child wrote go, so runs cannot fill the disk. Links are
+    removed, never followed; folders the child made unreadable are opened up first."""
     with contextlib.suppress(FileNotFoundError), os.scandir(workdir) as entries:
         for entry in list(entries):
             if entry.name == LOG_NAME and entry.is_file(follow_symlinks=False):
                 continue
             if entry.is_dir(follow_symlinks=False):
+                _open_up(entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)
             else:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
+
+
+def _open_up(folder: str) -> None:
+    """chmod u+rwx on the folder and every real folder under it (a worker that is not root
+    could otherwise neither list nor empty one the child set to 000)."""
+    with contextlib.suppress(OSError):
+        os.chmod(folder, 0o700)
+    for root, folders, _ in os.walk(folder):
+        for name in folders:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                with contextlib.suppress(OSError):
+                    os.chmod(path, 0o700)
 
 
 def check_gpu_after_kill(job_id: int, worker: str) -> None:

@@ -316,6 +316,25 @@ def test_child_writes_only_its_own_folder(tmp_path: Path) -> None:
         shm.unlink(missing_ok=True)
 
 
+def test_the_checkout_in_the_workdir_stays_as_fetched(tmp_path: Path) -> None:
+    """The judges' files are compared with the worker's tree after the run: submitted code must
+    not be able to rewrite its own checkout to match them meanwhile."""
+    if not isolation().processes:
+        pytest.skip("this OS does not allow a mount namespace of the child's own (unshare)")
+    workdir = tmp_path / "work"
+    checkout = workdir / "src"
+    checkout.mkdir(parents=True)
+    (checkout / "contrib_paths.py").write_text(CONTRIB_MODULE)
+    targets = [checkout / "contrib_paths.py", workdir.resolve() / "own.txt"]
+    (workdir / hostile_paths.TARGETS_FILE).write_text(json.dumps([str(p) for p in targets]))
+    outcome = run(hostile("writes_outside_forward"), workdir, source_dir=checkout)
+    assert isinstance(outcome, Finished), outcome
+    written = json.loads((workdir / hostile_paths.WRITES_FILE).read_text())
+    assert "Read-only file system" in written[str(targets[0])], written
+    assert written[str(targets[1])] == "written", written
+    assert (checkout / "contrib_paths.py").read_text() == CONTRIB_MODULE
+
+
 def test_child_cannot_read_the_workers_credentials(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -76,19 +76,30 @@ def test_after_a_run_only_its_log_stays_and_links_are_not_followed(tmp_path: Pat
     outside.mkdir()
     (outside / "keep.txt").write_text("not the run's\n")
     (workdir / "link-to-outside").symlink_to(outside, target_is_directory=True)
+    (workdir / "tmp" / "locked").mkdir()
+    (workdir / "tmp" / "locked" / "f").write_text("x")
+    (workdir / "tmp" / "locked").chmod(0o000)
+    (workdir / "tmp").chmod(0o000)
     clear_workspace(workdir)
     assert sorted(p.name for p in workdir.iterdir()) == ["child.log"]
     assert (outside / "keep.txt").read_text() == "not the run's\n"
     clear_workspace(tmp_path / "never-made")  # nothing to clear is no error
 
 
-def test_a_runs_log_keeps_its_last_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_runs_log_keeps_its_last_part_whatever_the_child_left_at_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from workers import runner
 
     monkeypatch.setattr(runner, "LOG_KEEP_BYTES", 10)
-    with open(tmp_path / "child.log", "w+b") as log:
+    path, elsewhere = tmp_path / "child.log", tmp_path / "elsewhere.txt"
+    elsewhere.write_text("not the log\n")
+    with open(path, "w+b") as log:
         log.write(b"0123456789" * 3 + b"last line\n")
         log.flush()
-        runner._bound_log(log)
-    text = (tmp_path / "child.log").read_text()
-    assert text == "[the first 30 bytes of this log were cut]\nlast line\n", text
+        path.unlink()
+        path.symlink_to(elsewhere)  # what a child could do to the path
+        runner._keep_log(log, path)
+    assert not path.is_symlink()
+    assert path.read_text() == "[the first 30 bytes of this log were cut]\nlast line\n"
+    assert elsewhere.read_text() == "not the log\n"

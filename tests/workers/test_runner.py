@@ -253,6 +253,16 @@ def test_child_cannot_read_other_processes_environments(tmp_path: Path) -> None:
     assert len(seen["visible"]) <= 3, seen["visible"]
 
 
+def what_the_child_reads(workdir: Path, targets: list[Path]) -> dict[str, str]:
+    """Run reads_service_files_forward on these paths: {path: the text it read, or the error}."""
+    workdir.mkdir()
+    (workdir / hostile_paths.TARGETS_FILE).write_text(json.dumps([str(p) for p in targets]))
+    outcome = run(hostile("reads_service_files_forward"), workdir)
+    assert isinstance(outcome, Finished), outcome
+    seen: dict[str, str] = json.loads((workdir / hostile_paths.SEEN_FILES_FILE).read_text())
+    return seen
+
+
 def test_child_cannot_read_or_uncover_the_services_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -269,12 +279,7 @@ def test_child_cannot_read_or_uncover_the_services_files(
     monkeypatch.chdir(service)  # where `pathgate serve` keeps the embedded defaults
     use_database(monkeypatch, "sqlite:///pathgate.db")
     assert [str(p) for p in service_files(get_settings())] == [str(dotenv), str(database)]
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    (workdir / hostile_paths.TARGETS_FILE).write_text(json.dumps([str(database), str(dotenv)]))
-    outcome = run(hostile("reads_service_files_forward"), workdir)
-    assert isinstance(outcome, Finished), outcome
-    seen = json.loads((workdir / hostile_paths.SEEN_FILES_FILE).read_text())
+    seen = what_the_child_reads(tmp_path / "work", [database, dotenv])
     assert set(seen) == {str(database), str(dotenv)}
     assert not [text for text in seen.values() if secret in text], seen
     assert database.read_text() == f"database holding {secret}"  # the worker's view is intact
@@ -350,12 +355,7 @@ def test_child_cannot_read_the_workers_credentials(
     key.write_text(secret)
     credentials.write_text(f"https://user:{secret}@github.com")
     monkeypatch.setenv("HOME", str(home))
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    (workdir / hostile_paths.TARGETS_FILE).write_text(json.dumps([str(key), str(credentials)]))
-    outcome = run(hostile("reads_service_files_forward"), workdir)
-    assert isinstance(outcome, Finished), outcome
-    seen = json.loads((workdir / hostile_paths.SEEN_FILES_FILE).read_text())
+    seen = what_the_child_reads(tmp_path / "work", [key, credentials])
     assert not [text for text in seen.values() if secret in text], seen
     assert key.read_text() == secret  # the worker's view is intact
 

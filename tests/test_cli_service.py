@@ -372,3 +372,24 @@ def test_a_worker_that_cannot_isolate_submitted_code_refuses_to_start(
     finally:
         get_settings.cache_clear()
     assert started[-1][started[-1].index("-Q") + 1] == "cpu"
+
+
+def test_a_worker_whose_child_cannot_be_confined_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Namespaces alone are not enough: where the child's file system cannot be made read-only
+    and locked (a kernel before 5.12, no nested user namespace), the probe says why and the
+    worker does not start; here, where it can, the probe finds nothing wrong."""
+    from workers import heartbeat, runner
+
+    if runner.isolation().processes:
+        assert runner.confinement_problem() is None
+    monkeypatch.setattr(heartbeat, "identity", heartbeat.identity)  # restored after the test
+    monkeypatch.setattr(runner, "isolation", lambda: runner.Isolation(("x",), True, True))
+    monkeypatch.setattr(runner, "confinement_problem", lambda: "the file system stays writable")
+    started = []
+    monkeypatch.setattr("workers.celery_app.app.worker_main", lambda argv: started.append(argv))
+    result = CliRunner().invoke(app, ["worker", "--queues", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert "the file system stays writable" in result.output
+    assert started == []

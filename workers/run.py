@@ -31,7 +31,7 @@ class CannotIsolate(Exception):
 def check_isolation(queues: list[str]) -> None:
     """A worker that runs submitted code (any queue but "github") needs the child's network, PID
     and mount namespaces, or the setting that says every submitter is trusted."""
-    from workers.runner import isolation
+    from workers.runner import confinement_problem, isolation
 
     if queues == [GITHUB_QUEUE] or get_settings().allow_unisolated:
         return
@@ -51,6 +51,13 @@ def check_isolation(queues: list[str]) -> None:
             "submission could read the worker's secrets and reach its network. Run the worker "
             "where unshare works, or set PATHGATE_ALLOW_UNISOLATED=true if every submitter is "
             "trusted (`pathgate serve --no-embedded-worker` runs the API without a worker)."
+        )
+    problem = confinement_problem()
+    if problem:
+        raise CannotIsolate(
+            f"the worker cannot confine submitted code's file system here ({problem}): it needs "
+            "Linux 5.12+ (mount_setattr) and user namespaces. Run the worker where both work, or "
+            "set PATHGATE_ALLOW_UNISOLATED=true if every submitter is trusted."
         )
 
 

@@ -132,6 +132,42 @@ def isolation() -> Isolation:
     return Isolation((), network=False, processes=False)
 
 
+# What the confinement probe runs in a child: confine_files on an empty scratch folder.
+_PROBE = (
+    "import json, sys\n"
+    "from workers.child import confine_files\n"
+    "print(json.dumps(confine_files([], [sys.argv[1]], [], sys.argv[2])))\n"
+)
+
+
+@functools.cache
+def confinement_problem() -> str | None:
+    """Why a child cannot be confined here (None: it can), probed once by confining an empty
+    run as a real child would be: unshare alone says nothing of mount_setattr (Linux 5.12+) or
+    of a nested user namespace to lock the mounts."""
+    if not isolation().processes:
+        return "no mount namespace of its own (unshare --mount-proc)"
+    with tempfile.TemporaryDirectory(prefix="pathgate-probe-") as scratch:
+        workdir = Path(scratch).resolve()
+        command = [*isolation().prefix, sys.executable, "-P", "-c", _PROBE]
+        try:
+            probe = subprocess.run(
+                [*command, str(workdir), _mount_namespace()],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=workdir,
+                env=child_environment(workdir),
+            )
+        except subprocess.TimeoutExpired:
+            return "the confinement probe did not finish in 60 s"
+    try:
+        done, complete = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return f"the confinement probe gave no answer: {probe.stderr.strip()[-300:]}"
+    return None if complete else str(done)
+
+
 def service_files(settings: Settings) -> list[Path]:
     """The worker's files that a child must not read or write: the SQLite database and broker
     (with their journals), the .env file, the GitHub App key. The child hides them in its own

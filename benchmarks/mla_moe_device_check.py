@@ -1367,22 +1367,46 @@ def gate_up_three_per_sm(plan: fused.LayerPlan) -> fused.LayerPlan:
     return _with_moe(plan, gate_up_programs=3 * 132)
 
 
+def moe_as_one_stream(
+    plan: fused.LayerPlan, per_sm: int, down_cols: int, stages: int = 0
+) -> fused.LayerPlan:
+    """The MoE as one kernel (_moe_stream_kernel): the gate_up's and the down's items claimed
+    in turn by per_sm programs per H200 SM, the down's items down_cols wide; its items are
+    whole, so the shared expert's split (batch <= 4) goes too."""
+    stages = stages or plan.moe.num_stages
+    return _with_moe(
+        plan, stream_programs=per_sm * 132, down_cols=down_cols, down_k=128, shared_splits=1,
+        gate_up_splits=1, down_splits=1, num_stages=stages,
+    )  # fmt: skip
+
+
 # --sweep-moe-plan: the MoE plan before the seventeenth session, the gate_up's grid the other
-# way or at 3 per SM, the down the other way, and (added per case, as it depends on the batch)
-# "run 18", each against the plan in the whole layer
+# way or at 3 per SM, the down the other way, the MoE as one kernel, and (added per case, as
+# it depends on the batch) "run 18", each against the plan in the whole layer
 MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan], fused.LayerPlan]] = {
     "moe before": moe_before_seventeenth,
     "gate_up cap toggled": toggle_gate_up_cap,
     "gate_up 3 per SM": gate_up_three_per_sm,
     "down items toggled": toggle_down_items,
+    "one stream, 2 per SM, 64 columns": partial(moe_as_one_stream, per_sm=2, down_cols=64),
+    "one stream, 2 per SM, 32 columns": partial(moe_as_one_stream, per_sm=2, down_cols=32),
+    "one stream, 3 per SM, 3 stages": partial(moe_as_one_stream, per_sm=3, down_cols=64, stages=3),
 }
 
 
 def _compare_moe_plans(
-    problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
+    problem: Problem,
+    weights: list[Tensors],
+    case: Case,
+    row: PdlRow,
+    t: Target,
+    only: tuple[str, ...] = (),
 ) -> None:
-    """The plan ("off") and each MOE_PLAN_VARIANTS change and run 18's MoE, in the layer."""
+    """The plan ("off") and each MOE_PLAN_VARIANTS change and run 18's MoE, in the layer, or
+    only the variants named."""
     changes = MOE_PLAN_VARIANTS | {"run 18": partial(run18_moe_plan, batch=case.batch)}
+    if only:
+        changes = {name: change for name, change in changes.items() if name in only}
     _compare_plans(problem, weights, case, row, t, changes)
 
 
@@ -1609,7 +1633,7 @@ def main() -> None:
             if args.sweep_pdl
             else partial(_compare_small_kernels, only=tuple(args.variants))
             if args.sweep_small_kernels
-            else _compare_moe_plans
+            else partial(_compare_moe_plans, only=tuple(args.variants))
         )
         print(f"== {getattr(compare, 'func', compare).__name__}", flush=True)
         cases = [(b, c) for b in args.batches or batches for c in contexts]
@@ -1766,9 +1790,10 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         nargs="+",
         default=[],
-        choices=list(SMALL_KERNEL_VARIANTS),
+        choices=[*SMALL_KERNEL_VARIANTS, *MOE_PLAN_VARIANTS, "run 18"],
         metavar="NAME",
-        help="with --sweep-small-kernels: only these SMALL_KERNEL_VARIANTS (default: all)",
+        help="with --sweep-small-kernels or --sweep-moe-plan: only these of its variants "
+        "(SMALL_KERNEL_VARIANTS, MOE_PLAN_VARIANTS; default: all)",
     )
     parser.add_argument(
         "--sweep-moe-plan",

@@ -97,6 +97,9 @@ class MoeBlocks:
     # > 0: the down as (tile, column block) items, token_rows tiles, over at most this many
     # programs (_down_items_kernel); 0: one program per column block walking the experts
     down_programs: int = 0
+    # > 0: the gate_up's and the down's items as one stream over at most this many programs,
+    # one kernel (_moe_stream_kernel); the down's items as down_programs' with down_cols
+    stream_programs: int = 0
 
 
 @triton.jit
@@ -381,7 +384,6 @@ def _gate_up_kernel(
     _rank, _n_chosen, counts = _chosen_local_experts(
         ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
     )
-    bins = tl.arange(0, 2 * BLOCK_E)
     # A tile is (expert, feature block, chunk of TOKENS of the expert's tokens), one item per
     # K split. The items run expert by expert, then feature block, chunk, split: the chunks of
     # one block read the same weight rows at about the same time, so all but one read L2.
@@ -393,42 +395,22 @@ def _gate_up_kernel(
     shared_items = SHARED_TILES * shared_chunks * SHARED_SPLITS
     n_items = shared_items + tl.sum(expert_items, axis=0)
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        is_shared = item < shared_items
-        in_part = tl.where(is_shared, item, item - shared_items)
-        expert, in_expert = _expert_at(expert_ends, expert_items, in_part, BLOCK_E)
-        expert_chunks = tl.sum(tl.where(bins == expert, chunks, 0), axis=0)
-        n_chunks = tl.where(is_shared, shared_chunks, expert_chunks)
-        n_splits = tl.where(is_shared, SHARED_SPLITS, K_SPLITS)
-        local = tl.where(is_shared, item, in_expert)
-        col_block = local // (n_chunks * n_splits)
-        chunk = local // n_splits % n_chunks
-        split = local % n_splits
+        is_shared, expert, col_block, chunk, split, in_part, n_splits = _gate_up_item_at(
+            item, shared_items, shared_chunks, expert_ends, expert_items, chunks, SHARED_SPLITS,
+            K_SPLITS, BLOCK_E,
+        )  # fmt: skip
         token, token_slot, valid = _tile_tokens(
             table, row_mask, is_shared, expert + expert_offset, chunk, TOP_K, BLOCK_K_SLOTS,
             BLOCK_M, TOKENS,
         )  # fmt: skip
         inter = tl.where(is_shared, I_SHARED, INTER)
         w_base = tl.where(is_shared, shared_ptr, w13_ptr + expert.to(tl.int64) * 2 * INTER * D)
-        # Weight rows interleaved [gate f, up f, gate f+1, up f+1, ...]: one MMA computes both,
-        # and a reshape + split separates them.
-        pair = tl.arange(0, 2 * BLOCK_I)
-        feature = col_block * BLOCK_I + pair // 2
-        w_rows = w_base + ((pair % 2) * inter + feature)[:, None] * D  # (2 BLOCK_I, 1)
-        f_mask = feature < inter
-        acc = tl.zeros((TOKENS, 2 * BLOCK_I), dtype=tl.float32)
         k_per_item = tl.where(is_shared, shared_k_per_split, k_per_split)
         k_start = split * k_per_item
-        k_end = tl.minimum(k_start + k_per_item, D)
-        for first in range(k_start, k_end, BLOCK_K):
-            ks = first + tl.arange(0, BLOCK_K)
-            k_mask = ks < D
-            h = tl.load(
-                h_ptr + token[:, None] * D + ks[None, :],
-                mask=valid[:, None] & k_mask[None, :],
-                other=0.0,
-            )  # (TOKENS, BLOCK_K): rows past the chunk's tokens stay 0
-            w = tl.load(w_rows + ks[None, :], mask=f_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = mma(h, tl.trans(w), acc, DOT_F32)  # (TOKENS, 2 BLOCK_I)
+        acc = _gate_up_tile(
+            h_ptr, token, valid, w_base, inter, col_block, D, k_start,
+            tl.minimum(k_start + k_per_item, D), TOKENS, BLOCK_I, BLOCK_K, DOT_F32,
+        )  # fmt: skip
         last = n_splits == 1
         # some tile is split: its last split adds them up. Two ifs: the outer is decided at
         # compile time, so an unsplit plan compiles no atomics at all.
@@ -455,6 +437,71 @@ def _gate_up_kernel(
                 acc, act_ptr, token, token_slot, valid, col_block, inter, INTER, TOP_K, TOKENS,
                 BLOCK_I,
             )  # fmt: skip
+
+
+@triton.jit
+def _gate_up_item_at(
+    item,
+    shared_items,
+    shared_chunks,
+    expert_ends,
+    expert_items,
+    chunks,
+    SHARED_SPLITS: tl.constexpr,
+    K_SPLITS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Where gate_up item `item` falls: (is_shared, local expert, feature block, chunk of
+    the expert's tokens, K split, its place among the shared or the routed items, the splits
+    of its tile). The shared expert's items come first, then each chosen expert's; within
+    one, feature block, then chunk, then split."""
+    is_shared = item < shared_items
+    in_part = tl.where(is_shared, item, item - shared_items)
+    expert, in_expert = _expert_at(expert_ends, expert_items, in_part, BLOCK_E)
+    expert_chunks = tl.sum(tl.where(tl.arange(0, 2 * BLOCK_E) == expert, chunks, 0), axis=0)
+    n_chunks = tl.where(is_shared, shared_chunks, expert_chunks)
+    n_splits = tl.where(is_shared, SHARED_SPLITS, K_SPLITS)
+    local = tl.where(is_shared, item, in_expert)
+    col_block = local // (n_chunks * n_splits)
+    chunk = local // n_splits % n_chunks
+    return is_shared, expert, col_block, chunk, local % n_splits, in_part, n_splits
+
+
+@triton.jit
+def _gate_up_tile(
+    h_ptr,
+    token,
+    valid,
+    w_base,  # (2 inter, D) bf16: one expert's [gate; up]
+    inter,
+    col_block,
+    D,
+    k_start,
+    k_end,
+    TOKENS: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """(TOKENS, 2 BLOCK_I) fp32: the gathered rows of h over hidden columns [k_start, k_end)
+    @ the [gate; up] rows of feature block col_block, interleaved [gate f, up f, gate f+1,
+    ...] so that one MMA computes both and a reshape + split separates them."""
+    pair = tl.arange(0, 2 * BLOCK_I)
+    feature = col_block * BLOCK_I + pair // 2
+    w_rows = w_base + ((pair % 2) * inter + feature)[:, None] * D  # (2 BLOCK_I, 1)
+    f_mask = feature < inter
+    acc = tl.zeros((TOKENS, 2 * BLOCK_I), dtype=tl.float32)
+    for first in range(k_start, k_end, BLOCK_K):
+        ks = first + tl.arange(0, BLOCK_K)
+        k_mask = ks < D
+        h = tl.load(
+            h_ptr + token[:, None] * D + ks[None, :],
+            mask=valid[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (TOKENS, BLOCK_K): rows past the chunk's tokens stay 0
+        w = tl.load(w_rows + ks[None, :], mask=f_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = mma(h, tl.trans(w), acc, DOT_F32)  # (TOKENS, 2 BLOCK_I)
+    return acc
 
 
 @triton.jit
@@ -499,6 +546,7 @@ def _down_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    ACT_CACHE: tl.constexpr,
 ):
     """(BLOCK_M, BLOCK_N) fp32: act[row, slot, K range] @ w[cols, K range].T for chosen rows,
     0 for the rest; the K range is [k_start, k_start + k_per_split) within inter."""
@@ -508,7 +556,12 @@ def _down_tile(
     for first in range(k_start, k_end, BLOCK_K):
         ks = first + tl.arange(0, BLOCK_K)
         k_mask = ks < k_end
-        act = tl.load(act_rows + ks[None, :], mask=chosen[:, None] & k_mask[None, :], other=0.0)
+        act = tl.load(
+            act_rows + ks[None, :],
+            mask=chosen[:, None] & k_mask[None, :],
+            other=0.0,
+            cache_modifier=ACT_CACHE,
+        )
         w = tl.load(
             w_ptr + cols[:, None] * inter + ks[None, :],
             mask=col_mask[:, None] & k_mask[None, :],
@@ -585,6 +638,7 @@ def _down_kernel(
             BLOCK_N,
             BLOCK_K,
             DOT_F32,
+            "",
         )
         weight = tl.sum(tl.where(match, routing_weights, 0.0), axis=1)  # (BLOCK_M,)
         out += down * weight[:, None]
@@ -606,6 +660,7 @@ def _down_kernel(
         BLOCK_N,
         BLOCK_K,
         DOT_F32,
+        "",
     )
     if K_SPLITS > 1:
         out, last = _last_split_sum(
@@ -678,38 +733,199 @@ def _down_items_kernel(
     for item in range(tl.program_id(0), n_tiles * column_blocks, tl.num_programs(0)):
         # tile-major: consecutive items stream one expert's weight rows in order
         tile = item // column_blocks
-        col_block = item % column_blocks
-        is_shared = tile < shared_tiles
-        in_part = tl.where(is_shared, tile, tile - shared_tiles)
-        expert, expert_chunk = _expert_at(expert_ends, chunks, in_part, BLOCK_E)
-        chunk = tl.where(is_shared, tile, expert_chunk)
-        token, token_slot, valid = _tile_tokens(
-            table, row_mask, is_shared, expert + expert_offset, chunk, TOP_K, BLOCK_K_SLOTS,
-            BLOCK_M, TOKENS,
+        is_shared, expert, chunk = _down_tile_at(tile, shared_tiles, expert_ends, chunks, BLOCK_E)
+        _down_item(
+            is_shared, expert, chunk, item % column_blocks, table, row_mask, act_ptr, ids_ptr,
+            weights_ptr, w2_ptr, shared_ptr, out_ptr, y_ptr, counter_ptr, n_tiles, B, D, INTER,
+            I_SHARED, E, expert_offset, TOP_K, BLOCK_K_SLOTS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32,
+            TOKENS, BLOCK_SLOTS, "",
         )  # fmt: skip
-        routing_weight = tl.load(
-            weights_ptr + token * TOP_K + token_slot, mask=valid & (token_slot < TOP_K), other=1.0
-        )  # (TOKENS,): the shared expert's is 1
-        inter = tl.where(is_shared, I_SHARED, INTER)
-        w_base = tl.where(is_shared, shared_ptr, w2_ptr + expert.to(tl.int64) * D * INTER)
-        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < D
-        # the gathered rows' act over the whole of inter
-        acc = _down_tile(
-            act_ptr, token, token_slot, valid, w_base, inter, INTER, cols, col_mask, 0, inter,
-            TOP_K, TOKENS, BLOCK_N, BLOCK_K, DOT_F32,
+
+
+@triton.jit
+def _down_tile_at(tile, shared_tiles, expert_ends, chunks, BLOCK_E: tl.constexpr):
+    """A down tile's (is_shared, local expert, chunk of its tokens): the shared expert's tiles
+    first, then each chosen expert's chunks in expert order."""
+    is_shared = tile < shared_tiles
+    in_part = tl.where(is_shared, tile, tile - shared_tiles)
+    expert, expert_chunk = _expert_at(expert_ends, chunks, in_part, BLOCK_E)
+    return is_shared, expert, tl.where(is_shared, tile, expert_chunk)
+
+
+@triton.jit
+def _down_item(
+    is_shared,
+    expert,
+    chunk,
+    col_block,
+    table,
+    row_mask,
+    act_ptr,
+    ids_ptr,
+    weights_ptr,
+    w2_ptr,
+    shared_ptr,
+    out_ptr,
+    y_ptr,
+    counter_ptr,  # (column blocks,) int32, zero between launches
+    n_tiles,
+    B,
+    D,
+    INTER,
+    I_SHARED,
+    E,
+    expert_offset,
+    TOP_K: tl.constexpr,
+    BLOCK_K_SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK_SLOTS: tl.constexpr,
+    ACT_CACHE: tl.constexpr,  # ".cg" where act was written in this launch
+):
+    """One down item (a tile of the shared or a chosen expert, a column block): its tokens'
+    weighted rows into y at (token, slot); the column block's last item sums the slots into
+    out and resets the block's counter."""
+    token, token_slot, valid = _tile_tokens(
+        table, row_mask, is_shared, expert + expert_offset, chunk, TOP_K, BLOCK_K_SLOTS,
+        BLOCK_M, TOKENS,
+    )  # fmt: skip
+    routing_weight = tl.load(
+        weights_ptr + token * TOP_K + token_slot, mask=valid & (token_slot < TOP_K), other=1.0
+    )  # (TOKENS,): the shared expert's is 1
+    inter = tl.where(is_shared, I_SHARED, INTER)
+    w_base = tl.where(is_shared, shared_ptr, w2_ptr + expert.to(tl.int64) * D * INTER)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < D
+    # the gathered rows' act over the whole of inter
+    acc = _down_tile(
+        act_ptr, token, token_slot, valid, w_base, inter, INTER, cols, col_mask, 0, inter,
+        TOP_K, TOKENS, BLOCK_N, BLOCK_K, DOT_F32, ACT_CACHE,
+    )  # fmt: skip
+    y_rows = token * (TOP_K + 1) + token_slot  # (TOKENS,): as act's rows
+    y_at = y_ptr + y_rows[:, None].to(tl.int64) * D + cols[None, :]
+    tl.store(y_at, acc * routing_weight[:, None], mask=valid[:, None] & col_mask[None, :])
+    tl.debug_barrier()  # every thread's store issued before the release below
+    arrived = tl.atomic_add(counter_ptr + col_block, 1, sem="acq_rel")
+    if arrived == n_tiles - 1:
+        _sum_slots(
+            y_ptr, ids_ptr, out_ptr, B, D, E, expert_offset, cols, col_mask, TOP_K, TOKENS,
+            BLOCK_SLOTS,
         )  # fmt: skip
-        y_rows = token * (TOP_K + 1) + token_slot  # (TOKENS,): as act's rows
-        y_at = y_ptr + y_rows[:, None].to(tl.int64) * D + cols[None, :]
-        tl.store(y_at, acc * routing_weight[:, None], mask=valid[:, None] & col_mask[None, :])
-        tl.debug_barrier()  # every thread's store issued before the release below
-        arrived = tl.atomic_add(counter_ptr + col_block, 1, sem="acq_rel")
-        if arrived == n_tiles - 1:
-            _sum_slots(
-                y_ptr, ids_ptr, out_ptr, B, D, E, expert_offset, cols, col_mask, TOP_K, TOKENS,
-                BLOCK_SLOTS,
+        tl.atomic_xchg(counter_ptr + col_block, 0)
+
+
+@triton.jit
+def _moe_stream_kernel(
+    h_ptr,  # (B, D) bf16: post_attention_layernorm output
+    ids_ptr,  # (B, TOP_K) int32
+    weights_ptr,  # (B, TOP_K) fp32
+    w13_ptr,  # (E, 2 INTER, D) bf16
+    shared_gate_up_ptr,  # (2 I_S, D) bf16
+    w2_ptr,  # (E, D, INTER) bf16
+    shared_down_ptr,  # (D, I_S) bf16
+    act_ptr,  # (B, TOP_K + 1, INTER) bf16 workspace: SiLU(gate) * up per (token, slot)
+    y_ptr,  # (B, TOP_K + 1, D) fp32 workspace: each (token, slot)'s weighted down row
+    out_ptr,  # (B, D) bf16 out
+    sync_ptr,  # (3 + E,) int32, zero between launches: items claimed, programs done, ready
+    arrivals_ptr,  # (column blocks,) int32, zero between launches
+    B,
+    D,
+    INTER,
+    I_SHARED,
+    E,
+    expert_offset,
+    TOP_K: tl.constexpr,
+    BLOCK_K_SLOTS: tl.constexpr,
+    BLOCK_IDS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    GATE_UP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SHARED_TILES: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The whole MoE as one stream of work items: every gate_up item (as _gate_up_kernel's,
+    unsplit), then every down item (as _down_items_kernel's). Each program claims the next
+    item from a counter until none is left, so the gate_up's last items and the down's first
+    run side by side instead of across a kernel boundary. A down item of an expert waits
+    until the expert's gate_up items are done (a ready counter per expert, slot 0 the shared
+    expert's); those items were claimed earlier by programs that are running and wait on
+    nothing, so the wait always ends, whatever the grid and however many programs are
+    resident. The last program to finish puts the counters back to zero."""
+    wait_for_previous_kernel(PDL)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < B
+    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
+    _rank, _n_chosen, counts = _chosen_local_experts(
+        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
+    )
+    bins = tl.arange(0, 2 * BLOCK_E)
+    chunks = tl.cdiv(counts, TOKENS)  # (2 BLOCK_E,) token tiles per expert, 0 if unchosen
+    blocks_per_expert = tl.cdiv(INTER, BLOCK_I)
+    expert_items = chunks * blocks_per_expert  # gate_up items per expert
+    shared_chunks = tl.cdiv(B, TOKENS)
+    shared_items = SHARED_TILES * shared_chunks
+    gate_up_items = shared_items + tl.sum(expert_items, axis=0)
+    n_tiles = shared_chunks + tl.sum(chunks, axis=0)
+    column_blocks = tl.cdiv(D, BLOCK_N)
+    n_items = gate_up_items + n_tiles * column_blocks
+    ready_ptr = sync_ptr + 2
+    item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    while item < n_items:
+        if item < gate_up_items:
+            is_shared, expert, col_block, chunk, _split, _in_part, _n_splits = _gate_up_item_at(
+                item, shared_items, shared_chunks, tl.cumsum(expert_items, axis=0),
+                expert_items, chunks, 1, 1, BLOCK_E,
             )  # fmt: skip
-            tl.atomic_xchg(counter_ptr + col_block, 0)
+            token, token_slot, valid = _tile_tokens(
+                table, row_mask, is_shared, expert + expert_offset, chunk, TOP_K,
+                BLOCK_K_SLOTS, BLOCK_M, TOKENS,
+            )  # fmt: skip
+            inter = tl.where(is_shared, I_SHARED, INTER)
+            w_base = tl.where(
+                is_shared, shared_gate_up_ptr, w13_ptr + expert.to(tl.int64) * 2 * INTER * D
+            )
+            acc = _gate_up_tile(
+                h_ptr, token, valid, w_base, inter, col_block, D, 0, D, TOKENS, BLOCK_I,
+                GATE_UP_K, DOT_F32,
+            )  # fmt: skip
+            _store_act(
+                acc, act_ptr, token, token_slot, valid, col_block, inter, INTER, TOP_K, TOKENS,
+                BLOCK_I,
+            )  # fmt: skip
+            tl.debug_barrier()  # every thread's store issued before the release below
+            tl.atomic_add(ready_ptr + tl.where(is_shared, 0, 1 + expert), 1, sem="release")
+        else:
+            tile = (item - gate_up_items) // column_blocks
+            is_shared, expert, chunk = _down_tile_at(
+                tile, shared_chunks, tl.cumsum(chunks, axis=0), chunks, BLOCK_E
+            )
+            expert_total = tl.sum(tl.where(bins == expert, expert_items, 0), axis=0)
+            needed = tl.where(is_shared, shared_items, expert_total)
+            ready_at = ready_ptr + tl.where(is_shared, 0, 1 + expert)
+            done = tl.atomic_add(ready_at, 0, sem="acquire")
+            while done < needed:
+                done = tl.atomic_add(ready_at, 0, sem="acquire")
+            _down_item(
+                is_shared, expert, chunk, (item - gate_up_items) % column_blocks, table,
+                row_mask, act_ptr, ids_ptr, weights_ptr, w2_ptr, shared_down_ptr, out_ptr, y_ptr,
+                arrivals_ptr, n_tiles, B, D, INTER, I_SHARED, E, expert_offset, TOP_K,
+                BLOCK_K_SLOTS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TOKENS, BLOCK_SLOTS, ".cg",
+            )  # fmt: skip
+        item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
+    if finished == tl.num_programs(0) - 1:  # every other program is past its last item
+        tl.store(ready_ptr + bins, tl.zeros_like(bins), mask=bins <= E)
+        tl.atomic_xchg(sync_ptr, 0)
+        tl.atomic_xchg(sync_ptr + 1, 0)
 
 
 @triton.jit
@@ -816,6 +1032,11 @@ def fused_moe(
     -> out (B, D) bf16: the sum over the chosen local experts of weight * SwiGLU_e(h), plus
     SwiGLU_shared(h). A token's ids must be distinct (route's top-k makes them so): the
     gate_up's grid and workspace are sized for that (gate_up_bounds)."""
+    if blocks.stream_programs > 0:
+        _check_ids(ids)
+        _moe_stream(h, ids, routing_weights, w13, w2, shared_gate_up, shared_down, out,
+                    expert_offset, blocks)  # fmt: skip
+        return
     act = moe_gate_up(h, ids, w13, shared_gate_up, expert_offset, blocks)
     moe_down(act, ids, routing_weights, w2, shared_down, out, expert_offset, blocks)
 
@@ -834,17 +1055,13 @@ def moe_gate_up(
     batch, hidden = h.shape
     experts, inter2, _ = w13.shape
     inter, shared_inter = inter2 // 2, shared_gate_up.shape[0] // 2
-    if shared_inter > inter:  # its activations share act's rows, INTER wide
-        raise ValueError(f"shared expert intermediate {shared_inter} > routed {inter}")
+    _check_shared_fits(shared_inter, inter)
     _check_ids(ids)
     top_k = ids.shape[1]
     act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
     k_per_split, splits = k_splits(hidden, blocks.gate_up_splits, blocks.gate_up_k)
     shared_k_per_split, shared_splits = k_splits(hidden, blocks.shared_splits, blocks.gate_up_k)
-    tokens = blocks.token_rows or blocks.block_m
-    if tokens & (tokens - 1) or (on_gpu(h) and tokens < 16):
-        least = " of at least 16 on the GPU" if on_gpu(h) else ""
-        raise ValueError(f"fused_moe: token_rows {tokens} must be a power of two{least}")
+    tokens = _token_rows(h, blocks)
     shared_tiles, most_tiles, most_items = gate_up_bounds(
         batch, top_k, experts, tokens, triton.cdiv(shared_inter, blocks.gate_up_cols),
         triton.cdiv(inter, blocks.gate_up_cols), splits, shared_splits,
@@ -980,6 +1197,82 @@ def _down_items(
         **_common_meta(act, ids, experts, blocks),
         **pdl_options(act.device),
     )
+
+
+def _moe_stream(
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    routing_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+    out: torch.Tensor,
+    expert_offset: int,
+    blocks: MoeBlocks,
+) -> None:
+    """fused_moe as one kernel (blocks.stream_programs > 0): _moe_stream_kernel."""
+    batch, hidden = h.shape
+    experts, inter2, _ = w13.shape
+    inter, shared_inter = inter2 // 2, shared_gate_up.shape[0] // 2
+    _check_shared_fits(shared_inter, inter)
+    if max(blocks.gate_up_splits, blocks.shared_splits, blocks.down_splits) != 1:
+        raise ValueError("fused_moe: the one-kernel MoE's items are whole; splits must be 1")
+    top_k = ids.shape[1]
+    tokens = _token_rows(h, blocks)
+    act = torch.empty(batch, top_k + 1, inter, device=h.device, dtype=h.dtype)
+    y = torch.empty(batch, top_k + 1, hidden, device=h.device, dtype=torch.float32)
+    shared_blocks = triton.cdiv(shared_inter, blocks.gate_up_cols)
+    _, _, gate_up_items = gate_up_bounds(
+        batch, top_k, experts, tokens, shared_blocks, triton.cdiv(inter, blocks.gate_up_cols),
+        1, 1,
+    )  # fmt: skip
+    _, down_tiles, _ = gate_up_bounds(batch, top_k, experts, tokens, 1, 1, 1, 1)
+    column_blocks = triton.cdiv(hidden, blocks.down_cols)
+    programs = min(gate_up_items + down_tiles * column_blocks, blocks.stream_programs)
+    sync = split_counters(h.device, 3 + experts + column_blocks)
+    _moe_stream_kernel[(programs,)](
+        h,
+        ids,
+        routing_weights,
+        w13,
+        shared_gate_up,
+        w2,
+        shared_down,
+        act,
+        y,
+        out,
+        sync,
+        sync[3 + experts :],
+        batch,
+        hidden,
+        inter,
+        shared_inter,
+        experts,
+        expert_offset,
+        BLOCK_I=blocks.gate_up_cols,
+        GATE_UP_K=blocks.gate_up_k,
+        BLOCK_N=blocks.down_cols,
+        BLOCK_K=blocks.down_k,
+        SHARED_TILES=shared_blocks,
+        TOKENS=tokens,
+        BLOCK_SLOTS=triton.next_power_of_2(top_k + 1),
+        **_common_meta(h, ids, experts, blocks),
+        **pdl_options(h.device),
+    )
+
+
+def _token_rows(h: torch.Tensor, blocks: MoeBlocks) -> int:
+    tokens = blocks.token_rows or blocks.block_m
+    if tokens & (tokens - 1) or (on_gpu(h) and tokens < 16):
+        least = " of at least 16 on the GPU" if on_gpu(h) else ""
+        raise ValueError(f"fused_moe: token_rows {tokens} must be a power of two{least}")
+    return tokens
+
+
+def _check_shared_fits(shared_inter: int, inter: int) -> None:
+    if shared_inter > inter:  # its activations share act's rows, INTER wide
+        raise ValueError(f"shared expert intermediate {shared_inter} > routed {inter}")
 
 
 def _check_ids(ids: torch.Tensor) -> None:

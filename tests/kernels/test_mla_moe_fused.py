@@ -250,6 +250,22 @@ def test_fused_layer_with_the_down_as_items_passes_the_harness_correctness_check
     _assert_passes_the_harness_check(path, _case(batch, context), CPU)
 
 
+def test_fused_layer_with_the_moe_as_one_stream_passes_the_harness_correctness_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The MoE as one kernel (stream_programs, 5 programs) inside the whole layer, as the
+    harness judges it: its counters share the buffer the other kernels' would use."""
+    planned = fused.layer_plan
+
+    def as_stream(*key: object) -> fused.LayerPlan:
+        plan = planned(*key)
+        return dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, stream_programs=5))
+
+    monkeypatch.setattr(fused, "layer_plan", as_stream)
+    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
+    _assert_passes_the_harness_check(path, _case(6, 33), CPU)
+
+
 @pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])
 def test_fused_layer_with_latent_prep_folded_passes_the_harness_correctness_check(
     batch: int, context: int, monkeypatch: pytest.MonkeyPatch
@@ -797,6 +813,45 @@ def test_fused_moe_down_as_items_matches_the_experts(
     _check_fused_moe(batch, torch.tensor(pool), blocks)
 
 
+@pytest.mark.parametrize(("programs", "down_cols", "gate_up_cols"), [(1, 128, 32), (7, 16, 16)])
+@pytest.mark.parametrize(("batch", "token_rows"), [(1, 16), (2, 16), (3, 16), (64, 16), (64, 8)])
+def test_the_moe_as_one_stream_of_items_matches_the_experts(
+    batch: int, token_rows: int, programs: int, down_cols: int, gate_up_cols: int
+) -> None:
+    """stream_programs > 0: the gate_up's and the down's items in one kernel, claimed in
+    order from a counter, each down item waiting until its expert's gate_up items are done.
+    One program doing every item in turn, or 7 claiming them (on the CPU the programs run one
+    after another, so the first takes every item; the GPU test interleaves them); 16 features
+    and 16 columns make several gate_up items per expert (two for the shared expert) and
+    several down column blocks. At batch 2 no local expert (the shared expert alone), at 64
+    several token tiles per expert. A down item that read an expert's act before it was
+    written, a slot summed twice, a token's row missed or an unchosen expert's NaN weights
+    read all show against float64; the counters are back at zero afterwards."""
+    pool = {
+        1: [0, 22, 23, 40, 50, 63],
+        2: [0, 1, 2, 40, 50, 63],
+        3: [0, 21, 23, 40, 50, 63],
+        64: [0, 18, 19, 21, 23, 40, 50, 63],
+    }[batch]
+    blocks = MoeBlocks(
+        16 if batch <= 16 else 64, gate_up_cols, 128, down_cols, 64, 4, 1,
+        token_rows=token_rows, stream_programs=programs,
+    )  # fmt: skip
+    _check_fused_moe(batch, torch.tensor(pool), blocks)
+
+
+def test_the_moe_as_one_stream_refuses_split_items() -> None:
+    """The stream's items are whole: a plan asking for K splits too is refused on the host."""
+    c = LAYER
+    h = torch.zeros(2, c.hidden, dtype=BF16)
+    w = _expert_weights(c, torch.Generator().manual_seed(0))
+    experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
+    ids = torch.zeros(2, c.top_k, dtype=torch.int32)
+    blocks = MoeBlocks(16, 32, 128, 32, 64, 4, 1, gate_up_splits=2, stream_programs=4)
+    with pytest.raises(ValueError, match="items are whole"):
+        fused_moe(h, ids, torch.ones(2, c.top_k), *experts, torch.empty_like(h), 0, blocks)
+
+
 def test_gate_up_bounds_hold_the_items_of_every_routing() -> None:
     """The grid, split workspace and counters are sized by gate_up_bounds on the host, before
     the routing exists; the kernel indexes items and tiles from the counts it finds. For every
@@ -848,7 +903,7 @@ def _check_fused_moe(batch: int, pool: torch.Tensor, blocks: MoeBlocks) -> None:
     # second rounding of gate/up, say, would read about 4e-3 here)
     assert _relative(out, expected) <= 1.2 * _relative(expected.to(BF16), expected)
     counted = max(blocks.gate_up_splits, blocks.shared_splits, blocks.down_splits) > 1
-    if counted or blocks.down_programs > 0:
+    if counted or blocks.down_programs > 0 or blocks.stream_programs > 0:
         assert not triton_moe._counters[CPU].any()  # every tile left its counter at zero
         again = torch.empty_like(h)
         fused_moe(h, ids.int(), routing, *experts, again, c.expert_offset, blocks)
@@ -1195,3 +1250,28 @@ def test_down_as_items_on_the_real_shard_is_as_close_to_float64_and_replays_the_
     expected = _shard_moe_reference(c, weights, h, ids, routing)
     items_error, walker_error = _relative(items_out, expected), _relative(walker_out, expected)
     assert items_error <= 1.2 * walker_error + 1e-4, (items_error, walker_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("batch", "per_sm"), [(5, 2), (8, 2), (8, 3), (64, 2)])
+def test_the_moe_as_one_stream_on_the_real_shard_gives_the_items_bits_on_every_replay(
+    batch: int, per_sm: int
+) -> None:
+    """The MoE as one kernel (stream_programs) on the GPU, where its programs run side by side
+    and a down item may claim its expert before the expert's gate_up items are done: the same
+    bits as the two kernels with the down as items of the same width (the same sums in the same
+    order, so a down item that read act before it was written would show), on every graph
+    replay, with every counter back at zero."""
+    c, gen, h, weights, experts = _real_shard_moe(batch)
+    ids = torch.stack(
+        [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
+    ).int()
+    ids[0, 0] = c.expert_offset + 5  # at least one local expert
+    routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
+    items = dataclasses.replace(fused._moe_blocks(batch, True, 132), down_cols=64)
+    stream = dataclasses.replace(items, stream_programs=per_sm * 132, down_programs=0)
+    items_out = torch.empty_like(h)
+    fused_moe(h, ids, routing, *experts, items_out, c.expert_offset, items)
+    stream_out = _replayed_moe(h, ids, routing, experts, c.expert_offset, stream, replays=4)
+    assert torch.equal(stream_out, items_out)
+    assert _relative(stream_out, _shard_moe_reference(c, weights, h, ids, routing)) < 0.01

@@ -1367,16 +1367,14 @@ def gate_up_three_per_sm(plan: fused.LayerPlan) -> fused.LayerPlan:
     return _with_moe(plan, gate_up_programs=3 * 132)
 
 
-def moe_as_one_stream(
-    plan: fused.LayerPlan, per_sm: int, down_cols: int, stages: int = 0
-) -> fused.LayerPlan:
+def moe_as_one_stream(plan: fused.LayerPlan, per_sm: int, down_cols: int) -> fused.LayerPlan:
     """The MoE as one kernel (_moe_stream_kernel): the gate_up's and the down's items claimed
     in turn by per_sm programs per H200 SM, the down's items down_cols wide; its items are
-    whole, so the shared expert's split (batch <= 4) goes too."""
-    stages = stages or plan.moe.num_stages
+    whole, so the shared expert's split (batch <= 4) goes too. (sm90_compile.py: 205-244
+    registers a thread, so 2 programs per SM at most.)"""
     return _with_moe(
         plan, stream_programs=per_sm * 132, down_cols=down_cols, down_k=128, shared_splits=1,
-        gate_up_splits=1, down_splits=1, num_stages=stages,
+        gate_up_splits=1, down_splits=1,
     )  # fmt: skip
 
 
@@ -1390,7 +1388,6 @@ MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan], fused.LayerPlan]] = {
     "down items toggled": toggle_down_items,
     "one stream, 2 per SM, 64 columns": partial(moe_as_one_stream, per_sm=2, down_cols=64),
     "one stream, 2 per SM, 32 columns": partial(moe_as_one_stream, per_sm=2, down_cols=32),
-    "one stream, 3 per SM, 3 stages": partial(moe_as_one_stream, per_sm=3, down_cols=64, stages=3),
 }
 
 

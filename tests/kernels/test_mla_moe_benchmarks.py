@@ -189,8 +189,8 @@ def test_the_moe_plan_before_the_seventeenth_session(batch: int) -> None:
     assert three == dataclasses.replace(
         plan, moe=dataclasses.replace(plan.moe, gate_up_programs=396)
     )
-    stream = device_check.moe_as_one_stream(plan, per_sm=3, down_cols=64, stages=3)
-    assert (stream.moe.stream_programs, stream.moe.down_cols, stream.moe.num_stages) == (396, 64, 3)
+    stream = device_check.moe_as_one_stream(plan, per_sm=2, down_cols=64)
+    assert (stream.moe.stream_programs, stream.moe.down_cols, stream.moe.down_k) == (264, 64, 128)
     assert dataclasses.replace(stream, moe=plan.moe) == plan
     walker = toggle_down_items(plan)
     assert (walker.moe.down_programs, walker.moe.down_k) == (0, 256 if batch <= 32 else 128)

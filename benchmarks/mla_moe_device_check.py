@@ -45,9 +45,9 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
         layer with one small kernel's launch changed (each SMALL_KERNEL_VARIANTS entry) against
         the plan
     python3 benchmarks/mla_moe_device_check.py --sweep-moe-plan  # as --sweep-pdl: the layer
-        with each MOE_PLAN_VARIANTS change of the MoE plan (the plan from before the
-        seventeenth session, the gate_up's grid the other way or at 3 programs per SM, the
-        down the other way) and run 18's MoE plan (run18_moe_plan) against the plan
+        with each MOE_PLAN_VARIANTS change of the MoE plan (the one-kernel MoE's down items 32
+        columns wide; the MoE plans of runs 19 and 18 and from before the seventeenth
+        session) against the plan
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -1315,28 +1315,17 @@ def _compare_small_kernels(
     _compare_plans(problem, weights, case, row, t, changes)
 
 
-def moe_before_seventeenth(plan: fused.LayerPlan) -> fused.LayerPlan:
-    """The plan with the MoE as it was before the seventeenth session (2026-12-04): one gate_up
-    program per item, the batch-wide token tile, down K steps of 128, 3 stages above batch 16.
-    Batch <= 4 kept its plan. Meant for the GPU plan: on the CPU's it changes tiles and stages
-    too, which only the smoke run uses."""
-    moe = plan.moe
-    if moe.shared_splits > 1:  # batch <= 4
+def run19_moe_plan(plan: fused.LayerPlan, batch: int) -> fused.LayerPlan:
+    """The MoE plan of runs 19 and 20, the last validates before the MoE became one kernel:
+    the gate_up and the down as items in two kernels, the down's 32 columns wide over 4
+    programs per H200 SM, the gate_up's grid capped at 2 per SM at batch 5-8. Batch <= 4 as
+    it is (the plan there did not change)."""
+    if batch <= 4:
         return plan
-    stages = 4 if moe.block_m <= 16 else 3
-    before = replace(
-        moe, gate_up_programs=0, token_rows=0, down_k=128, num_stages=stages, down_programs=0
-    )
-    return replace(plan, moe=before)
-
-
-def toggle_down_items(plan: fused.LayerPlan) -> fused.LayerPlan:
-    """The down the other way: run 18's walker (K steps of 256 while the batch-wide token tile
-    is at most 32 rows) where the plan's is items, and as work items (4 programs per H200 SM,
-    K steps of 128) where the plan's walks the experts."""
-    if plan.moe.down_programs:
-        return _with_moe(plan, down_programs=0, down_k=256 if plan.moe.block_m <= 32 else 128)
-    return _with_moe(plan, down_programs=4 * 132, down_k=128)
+    return _with_moe(
+        plan, stream_programs=0, down_cols=32, down_programs=4 * 132,
+        gate_up_programs=2 * 132 if batch <= 8 else 0,
+    )  # fmt: skip
 
 
 def run18_moe_plan(plan: fused.LayerPlan, batch: int) -> fused.LayerPlan:
@@ -1347,47 +1336,44 @@ def run18_moe_plan(plan: fused.LayerPlan, batch: int) -> fused.LayerPlan:
     if batch <= 4:
         return plan
     down_k = 256 if plan.moe.block_m <= 32 else 128
-    return _with_moe(plan, down_programs=0, down_k=down_k, gate_up_programs=2 * 132)
+    two_kernels = run19_moe_plan(plan, batch)
+    return _with_moe(two_kernels, down_programs=0, down_k=down_k, gate_up_programs=2 * 132)
+
+
+def moe_before_seventeenth(plan: fused.LayerPlan, batch: int) -> fused.LayerPlan:
+    """The plan with the MoE as it was before the seventeenth session (2026-12-04): one gate_up
+    program per item, the batch-wide token tile, the down walking the experts, K steps of 128,
+    3 stages above batch 16. Batch <= 4 kept its plan. Meant for the GPU plan: on the CPU's it
+    changes tiles and stages too, which only the smoke run uses."""
+    if batch <= 4:
+        return plan
+    stages = 4 if plan.moe.block_m <= 16 else 3
+    return _with_moe(
+        run19_moe_plan(plan, batch), gate_up_programs=0, token_rows=0, down_k=128,
+        num_stages=stages, down_programs=0,
+    )  # fmt: skip
 
 
 def _with_moe(plan: fused.LayerPlan, **change: int) -> fused.LayerPlan:
     return replace(plan, moe=replace(plan.moe, **change))
 
 
-def toggle_gate_up_cap(plan: fused.LayerPlan) -> fused.LayerPlan:
-    """The gate_up grid the other way: one program per item where the plan caps it (batch
-    5-8), capped at 2 programs per H200 SM where it does not (above batch 8)."""
-    return _with_moe(plan, gate_up_programs=0 if plan.moe.gate_up_programs else 2 * 132)
+def stream_down_columns(plan: fused.LayerPlan, batch: int, down_cols: int) -> fused.LayerPlan:
+    """The one-kernel MoE with the down's items down_cols wide; the plan elsewhere (the batch
+    is the plan's already; taken as the other variants take it)."""
+    if not plan.moe.stream_programs:
+        return plan
+    return _with_moe(plan, down_cols=down_cols)
 
 
-def gate_up_three_per_sm(plan: fused.LayerPlan) -> fused.LayerPlan:
-    """The gate_up's grid capped at 3 programs per H200 SM (396), as many as fit (60 KB of
-    shared memory, 149-168 registers under Triton 3.6): fewer rounds than the plan's 2 per SM
-    when the items are a little over a multiple of 264 (--sweep-moe-rounds)."""
-    return _with_moe(plan, gate_up_programs=3 * 132)
-
-
-def moe_as_one_stream(plan: fused.LayerPlan, per_sm: int, down_cols: int) -> fused.LayerPlan:
-    """The MoE as one kernel (_moe_stream_kernel): the gate_up's and the down's items claimed
-    in turn by per_sm programs per H200 SM, the down's items down_cols wide; its items are
-    whole, so the shared expert's split (batch <= 4) goes too. (sm90_compile.py: 205-244
-    registers a thread, so 2 programs per SM at most.)"""
-    return _with_moe(
-        plan, stream_programs=per_sm * 132, down_cols=down_cols, down_k=128, shared_splits=1,
-        gate_up_splits=1, down_splits=1,
-    )  # fmt: skip
-
-
-# --sweep-moe-plan: the MoE plan before the seventeenth session, the gate_up's grid the other
-# way or at 3 per SM, the down the other way, the MoE as one kernel, and (added per case, as
-# it depends on the batch) "run 18", each against the plan in the whole layer
-MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan], fused.LayerPlan]] = {
+# --sweep-moe-plan: against the plan (the MoE as one kernel above batch 4), the one kernel with
+# 32-column down items, and (per case, as they depend on the batch) the MoE plans of runs 19,
+# 18 and before the seventeenth session, each in the whole layer
+MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan, int], fused.LayerPlan]] = {
+    "stream, down 32 columns": partial(stream_down_columns, down_cols=32),
+    "run 19": run19_moe_plan,
+    "run 18": run18_moe_plan,
     "moe before": moe_before_seventeenth,
-    "gate_up cap toggled": toggle_gate_up_cap,
-    "gate_up 3 per SM": gate_up_three_per_sm,
-    "down items toggled": toggle_down_items,
-    "one stream, 2 per SM, 64 columns": partial(moe_as_one_stream, per_sm=2, down_cols=64),
-    "one stream, 2 per SM, 32 columns": partial(moe_as_one_stream, per_sm=2, down_cols=32),
 }
 
 
@@ -1401,9 +1387,11 @@ def _compare_moe_plans(
 ) -> None:
     """The plan ("off") and each MOE_PLAN_VARIANTS change and run 18's MoE, in the layer, or
     only the variants named."""
-    changes = MOE_PLAN_VARIANTS | {"run 18": partial(run18_moe_plan, batch=case.batch)}
-    if only:
-        changes = {name: change for name, change in changes.items() if name in only}
+    changes = {
+        name: partial(change, batch=case.batch)
+        for name, change in MOE_PLAN_VARIANTS.items()
+        if not only or name in only
+    }
     _compare_plans(problem, weights, case, row, t, changes)
 
 
@@ -1787,7 +1775,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         nargs="+",
         default=[],
-        choices=[*SMALL_KERNEL_VARIANTS, *MOE_PLAN_VARIANTS, "run 18"],
+        choices=[*SMALL_KERNEL_VARIANTS, *MOE_PLAN_VARIANTS],
         metavar="NAME",
         help="with --sweep-small-kernels or --sweep-moe-plan: only these of its variants "
         "(SMALL_KERNEL_VARIANTS, MOE_PLAN_VARIANTS; default: all)",

@@ -1,7 +1,8 @@
 """Candidate: the fused ("specialized") path for one MLA+MoE decode layer shard, and its guard.
 
 Same contract and numerics class as stock.py (bf16 storage, fp32 accumulation, fp32 router
-logits, the same routing rule), in 14 kernels per layer where the stock path runs dozens:
+logits, the same routing rule), in 14 kernels per layer where the stock path runs dozens (13
+above batch 4, where kernels 13 and 14 run as one):
 
      1  input residual add + RMSNorm                          CuTe DSL   cute_kernels.add_rmsnorm
      2  fused_qkv_a_proj GEMV (q_a | kv_a stacked), split-K   Triton     triton_gemv
@@ -19,9 +20,11 @@ logits, the same routing rule), in 14 kernels per layer where the stock path run
     14  experts down + routing weights + shared expert sum    Triton     triton_moe
 
 The four GEMVs (2, 4, 9, 11) also exist in CuTe DSL (cute_gemv: the same tiles and partial
-sums on mma.sync), which the plan takes on the GPU when LayerPlan.gemv_cute is on; and kernels
-3 and 4 exist as one launch (triton_attention.q_b_folded, LayerPlan.fold_latent_prep: 13
-kernels). Both are off until the H200 has measured them against the plan's kernels.
+sums on mma.sync), which the plan takes on the GPU at batch <= 8 (LayerPlan.gemv_cute); kernels
+3 and 4 exist as one launch (triton_attention.q_b_folded, LayerPlan.fold_latent_prep), off:
+measured slower. Above batch 4 kernels 13 and 14 are one kernel (triton_moe's
+_moe_stream_kernel, MoeBlocks.stream_programs): the same items, claimed in turn, each down
+item waiting for its expert's gate_up items.
 
 Every weight byte is read once (the experts only where some token chose them, decided on the
 device from the routing table), nothing synchronizes with the host, and no sum depends on the
@@ -362,10 +365,13 @@ def _moe_blocks(batch: int, on_gpu: bool, sm_count: int) -> MoeBlocks:
     #   167.1 for the MoE alone); above, the cap measured within 1.6% either way in the layer.
     # Run 18 (the last validate before this plan) had the down walk the experts, K steps of
     # 256 up to 32 token rows, and the gate_up capped at every batch above 4.
-    gate_up_programs = 2 * sm_count if batch <= 8 else 0
+    # Since the twenty-seventh session both run as one kernel (stream_programs): the same
+    # items, claimed in turn by 2 programs per SM (its registers allow no more), the down's 64
+    # columns wide. In the layer on an H100 (`--sweep-moe-plan`, docs/runs/2026-12-06-stream/):
+    # 0.965-0.989 of the two kernels' time at batch 8-64, 0.995-1.005 at 5; the same bits.
     return MoeBlocks(
-        block_m, 32, 128, 32, 128, num_warps=4, num_stages=4,
-        gate_up_programs=gate_up_programs, token_rows=16, down_programs=4 * sm_count,
+        block_m, 32, 128, 64, 128, num_warps=4, num_stages=4, token_rows=16,
+        stream_programs=2 * sm_count,
     )  # fmt: skip
 
 

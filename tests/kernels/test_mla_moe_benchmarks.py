@@ -19,8 +19,7 @@ from benchmarks.mla_moe_device_check import (
     SMALL_KERNEL_VARIANTS,
     moe_before_seventeenth,
     run18_moe_plan,
-    toggle_down_items,
-    toggle_gate_up_cap,
+    run19_moe_plan,
     with_plan_value,
 )
 from kernels.mla_moe_decode import fused
@@ -160,46 +159,51 @@ def test_moe_plan_sweep_times_the_earlier_moe_plan_against_the_plan(tmp_path: Pa
     _run("mla_moe_device_check.py", *args)
     rows = json.loads(out.read_text())["pdl"]
     assert [(r["batch"], r["errors"]) for r in rows] == [(3, [])]
-    variants = [*MOE_PLAN_VARIANTS, "run 18"]
+    variants = list(MOE_PLAN_VARIANTS)
     assert set(rows[0]["us"]) == set(variants)
-    # the interpreter's dots are fp32 either way; the down as items sums a token's experts in
-    # another order (and at batch 3 run 18's MoE is the plan)
-    assert rows[0]["same_bits"]["moe before"] and rows[0]["same_bits"]["run 18"]
+    # at batch 3 (<= 4) the MoE plans of runs 18 and 19 and before are the plan's; the stream
+    # does not run there, so its down's width changes nothing
+    assert all(rows[0]["same_bits"].values())
     assert all(rows[0]["us"][v] > 0 and rows[0]["off_us"][v] > 0 for v in variants)
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64])
-def test_the_moe_plan_before_the_seventeenth_session(batch: int) -> None:
-    """What --sweep-moe-plan compares against: the H200 plan's MoE as it was, the rest as is."""
+def test_the_moe_plans_the_sweep_compares(batch: int) -> None:
+    """What --sweep-moe-plan compares against: the H200 plan's MoE as it was in runs 19, 18 and
+    before the seventeenth session, and the one-kernel MoE's down 32 columns wide; the rest of
+    the plan as it is."""
     plan = fused.layer_plan(LayerConfig(), batch, 1024, True, 132)
-    before = moe_before_seventeenth(plan)
-    assert dataclasses.replace(before, moe=plan.moe) == plan
-    if batch == 1:  # unchanged at batch <= 4
-        assert before == plan and run18_moe_plan(plan, batch) == plan
+    changed = {name: change(plan, batch=batch) for name, change in MOE_PLAN_VARIANTS.items()}
+    assert all(dataclasses.replace(p, moe=plan.moe) == plan for p in changed.values())
+    if batch == 1:  # unchanged at batch <= 4, where the plan splits the shared expert
+        assert plan.moe.stream_programs == 0 and plan.moe.shared_splits == 14
+        assert all(p == plan for p in changed.values())
         return
-    moe = before.moe
-    assert (moe.gate_up_programs, moe.token_rows, moe.down_k, moe.down_programs) == (0, 0, 128, 0)
-    assert moe.num_stages == (4 if batch <= 16 else 3)
-    # the plan: the down as items, the gate_up capped at batch 5-8 only
-    cap = 264 if batch <= 8 else 0
-    assert (plan.moe.gate_up_programs, plan.moe.token_rows) == (cap, 16)
-    assert (plan.moe.down_programs, plan.moe.down_k) == (528, 128)
-    assert toggle_gate_up_cap(plan).moe.gate_up_programs == 264 - cap
-    three = device_check.gate_up_three_per_sm(plan)
-    assert three == dataclasses.replace(
-        plan, moe=dataclasses.replace(plan.moe, gate_up_programs=396)
+    # the plan: the MoE as one kernel, 2 programs per SM, the down's items 64 columns wide
+    moe = plan.moe
+    assert (moe.stream_programs, moe.down_cols, moe.token_rows, moe.shared_splits) == (
+        264,
+        64,
+        16,
+        1,
     )
-    stream = device_check.moe_as_one_stream(plan, per_sm=2, down_cols=64)
-    assert (stream.moe.stream_programs, stream.moe.down_cols, stream.moe.down_k) == (264, 64, 128)
-    assert dataclasses.replace(stream, moe=plan.moe) == plan
-    walker = toggle_down_items(plan)
-    assert (walker.moe.down_programs, walker.moe.down_k) == (0, 256 if batch <= 32 else 128)
-    assert toggle_down_items(walker) == plan
+    assert changed["stream, down 32 columns"].moe == dataclasses.replace(moe, down_cols=32)
+    # run 19's: two kernels, the down as items (32 columns, 4 per SM), the cap at batch 5-8
+    run19 = changed["run 19"].moe
+    cap = 264 if batch <= 8 else 0
+    assert (run19.stream_programs, run19.gate_up_programs, run19.token_rows) == (0, cap, 16)
+    assert (run19.down_programs, run19.down_cols, run19.down_k) == (528, 32, 128)
+    assert run19_moe_plan(plan, batch) == changed["run 19"]
     # run 18's: the down walking the experts, the cap at every batch above 4
-    run18 = run18_moe_plan(plan, batch)
-    assert dataclasses.replace(run18, moe=plan.moe) == plan
-    expected = dataclasses.replace(walker.moe, gate_up_programs=264)
-    assert run18.moe == expected
+    run18 = changed["run 18"].moe
+    assert run18 == dataclasses.replace(
+        run19, down_programs=0, down_k=256 if batch <= 32 else 128, gate_up_programs=264
+    )
+    assert run18_moe_plan(plan, batch) == changed["run 18"]
+    before = moe_before_seventeenth(plan, batch).moe
+    assert (before.gate_up_programs, before.token_rows, before.down_k) == (0, 0, 128)
+    assert (before.down_programs, before.stream_programs) == (0, 0)
+    assert before.num_stages == (4 if batch <= 16 else 3)
 
 
 @pytest.mark.parametrize("batch", [8, 64])

@@ -1127,7 +1127,7 @@ def test_split_moe_replays_with_the_same_bits_and_leaves_its_counters_at_zero(
     routing = torch.rand(batch, ids.shape[1], generator=gen, device="cuda") / 4
     # the split down is the walker's (the down as items keeps its items whole)
     plain = dataclasses.replace(fused._moe_blocks(batch, True, 132), shared_splits=1)
-    plain = dataclasses.replace(plain, down_programs=0)
+    plain = dataclasses.replace(plain, down_programs=0, down_cols=32, stream_programs=0)
     split = dataclasses.replace(plain, gate_up_splits=4, down_splits=4, shared_splits=7)
     unsplit_out = torch.empty_like(h)
     fused_moe(h, ids, routing, *experts, unsplit_out, c.expert_offset, plain)
@@ -1189,7 +1189,9 @@ def test_capped_gate_up_grid_gives_the_same_bits_as_one_program_per_item(batch: 
     if not local.any():  # at least one local expert, at batch 1 too (never a repeated id)
         ids[0, 0] = c.expert_offset + 5
     routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
-    plain = dataclasses.replace(fused._moe_blocks(batch, True, 132), gate_up_programs=0)
+    plain = dataclasses.replace(
+        fused._moe_blocks(batch, True, 132), gate_up_programs=0, stream_programs=0
+    )
     outs = []
     for blocks in (plain, dataclasses.replace(plain, gate_up_programs=7)):
         out = torch.empty_like(h)
@@ -1242,8 +1244,9 @@ def test_down_as_items_on_the_real_shard_is_as_close_to_float64_and_replays_the_
     ).int()
     ids[0, 0] = c.expert_offset + 5  # at least one local expert
     routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
-    walker = dataclasses.replace(fused._moe_blocks(batch, True, 132), down_programs=0)
-    items = dataclasses.replace(walker, down_programs=528, down_k=128)  # the candidate's down
+    two_kernels = dataclasses.replace(fused._moe_blocks(batch, True, 132), stream_programs=0)
+    walker = dataclasses.replace(two_kernels, down_programs=0, down_cols=32)
+    items = dataclasses.replace(walker, down_programs=528, down_k=128)  # run 19's down
     walker_out = torch.empty_like(h)
     fused_moe(h, ids, routing, *experts, walker_out, c.expert_offset, walker)
     items_out = _replayed_moe(h, ids, routing, experts, c.expert_offset, items, replays=4)
@@ -1268,8 +1271,8 @@ def test_the_moe_as_one_stream_on_the_real_shard_gives_the_items_bits_on_every_r
     ).int()
     ids[0, 0] = c.expert_offset + 5  # at least one local expert
     routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
-    items = dataclasses.replace(fused._moe_blocks(batch, True, 132), down_cols=64)
-    stream = dataclasses.replace(items, stream_programs=per_sm * 132, down_programs=0)
+    stream = dataclasses.replace(fused._moe_blocks(batch, True, 132), stream_programs=per_sm * 132)
+    items = dataclasses.replace(stream, stream_programs=0, down_programs=528)  # two kernels
     items_out = torch.empty_like(h)
     fused_moe(h, ids, routing, *experts, items_out, c.expert_offset, items)
     stream_out = _replayed_moe(h, ids, routing, experts, c.expert_offset, stream, replays=4)

@@ -38,7 +38,9 @@ LAYER = [
     "_gate_up_kernel",
     "_down_kernel",
 ]
-# above batch 4 the plan's down runs as work items (MoeBlocks.down_programs)
+# above batch 4 the plan's MoE is one kernel (MoeBlocks.stream_programs): 13 kernels; runs 19
+# and 20 had the gate_up and the down as work items (MoeBlocks.down_programs)
+LAYER_STREAM = [*LAYER[:-2], "_moe_stream_kernel"]
 LAYER_ITEMS = [*LAYER[:-1], "_down_items_kernel"]
 BATCHES, CONTEXTS = (1, 8, 64), (1024, 32768)
 CUTE_GEMV = "cute_gemv.splitk_gemv (CuTe DSL)"
@@ -48,7 +50,7 @@ HAS_CUTE = importlib.util.find_spec("cutlass") is not None
 
 
 def _plan_kernels(batch: int) -> list[str]:
-    kernels = LAYER if batch <= 4 else LAYER_ITEMS
+    kernels = LAYER if batch <= 4 else LAYER_STREAM
     if HAS_CUTE and batch <= 8:
         return [CUTE_GEMV if kernel == "_splitk_gemv_kernel" else kernel for kernel in kernels]
     return kernels
@@ -109,26 +111,29 @@ def test_the_compiled_launches_are_the_plans(plan_report: dict) -> None:
             assert launch["constexprs"]["DOT_F32"] is False, launch["kernel"]
         if "ROWS" in launch["constexprs"]:
             assert launch["constexprs"]["ROWS"] == 1, launch["kernel"]
-    gate_up = next(launch for launch in launches if launch["kernel"] == "_gate_up_kernel")
-    assert gate_up["grid"][0] > 2 * 132  # one program per item above batch 8, not the cap
-    assert gate_up["constexprs"]["TOKENS"] == 16
-    down = next(launch for launch in launches if launch["kernel"] == "_down_items_kernel")
-    assert down["grid"] == [4 * 132]  # the plan's down above batch 4: 4 programs per SM
+    moe = next(launch for launch in launches if launch["kernel"] == "_moe_stream_kernel")
+    assert moe["grid"] == [2 * 132]  # the one-kernel MoE: 2 programs per SM claim the items
+    assert moe["programs_per_sm"] >= 2  # all of them resident (not needed, but measured so)
+    assert (moe["constexprs"]["TOKENS"], moe["constexprs"]["BLOCK_N"]) == (16, 64)
     split = next(launch for launch in launches if launch["kernel"] == "_mla_split_kernel")
     assert split["grid"] == [64, 16]  # 16 splits of the context per token above batch 8
 
 
-def test_run_18s_moe_plan_compiles_for_sm90(tmp_path: Path) -> None:
-    """--moe run18: the validated plan before the down became items, for comparisons (its
-    GEMVs were Triton's)."""
-    args = ["--batches", "8", "64", "--contexts", "1024", "--moe", "run18", "--gemv", "triton"]
-    report = _run_tool(tmp_path / "run18.json", *args)
-    for case, launches in _by_case(report).items():
-        assert [launch["kernel"] for launch in launches] == LAYER, case
-        gate_up, down = launches[-2:]
-        assert (gate_up["error"], down["error"]) == ("", ""), case
-        assert gate_up["grid"] == [2 * 132]
-        assert down["programs_per_sm"] >= 1
+def test_run_18s_and_19s_moe_plans_compile_for_sm90(tmp_path: Path) -> None:
+    """--moe run18 / run19: the validated plans before the down became items and before the
+    MoE became one kernel, for comparisons (run 18's GEMVs were Triton's)."""
+    for moe, kernels in (("run18", LAYER), ("run19", LAYER_ITEMS)):
+        args = ["--batches", "8", "64", "--contexts", "1024", "--moe", moe, "--gemv", "triton"]
+        report = _run_tool(tmp_path / f"{moe}.json", *args)
+        for case, launches in _by_case(report).items():
+            assert [launch["kernel"] for launch in launches] == kernels, case
+            gate_up, down = launches[-2:]
+            assert (gate_up["error"], down["error"]) == ("", ""), case
+            cap = moe == "run18" or case[0] <= 8
+            assert gate_up["grid"] == [2 * 132] if cap else gate_up["grid"][0] > 2 * 132
+            assert down["programs_per_sm"] >= 1
+            if moe == "run19":
+                assert down["grid"] == [4 * 132]  # the down's items: 4 programs per SM
 
 
 def test_the_cute_gemvs_compile_for_sm90a_in_place_of_the_triton_ones(tmp_path: Path) -> None:
@@ -141,7 +146,7 @@ def test_the_cute_gemvs_compile_for_sm90a_in_place_of_the_triton_ones(tmp_path: 
     )
     for case, launches in _by_case(report).items():
         kernels = [launch["kernel"] for launch in launches]
-        gemv_places = [i for i, kernel in enumerate(LAYER_ITEMS) if kernel == "_splitk_gemv_kernel"]
+        gemv_places = [i for i, kernel in enumerate(LAYER) if kernel == "_splitk_gemv_kernel"]
         assert [kernels[i] for i in gemv_places] == [CUTE_GEMV] * 4, case
         for launch in (launches[i] for i in gemv_places):
             assert launch["error"] == "" and launch["spill_bytes"] == 0, (case, launch)
@@ -155,7 +160,7 @@ def test_the_folded_latent_prep_compiles_for_sm90_as_13_kernels(tmp_path: Path) 
     the shared memory of a second program per SM."""
     args = ["--batches", "8", "64", "--contexts", "1024", "--fold-latent-prep", "--gemv", "triton"]
     report = _run_tool(tmp_path / "fold.json", *args)
-    folded = [*LAYER_ITEMS[:2], "_q_b_folded_kernel", *LAYER_ITEMS[4:]]
+    folded = [*LAYER_STREAM[:2], "_q_b_folded_kernel", *LAYER_STREAM[4:]]
     for case, launches in _by_case(report).items():
         assert [launch["kernel"] for launch in launches] == folded, case
         for launch in launches[1:]:

@@ -233,37 +233,29 @@ def test_fused_layer_passes_the_harness_correctness_check(batch: int, context: i
     _assert_passes_the_harness_check(path, case, CPU)
 
 
-@pytest.mark.parametrize(("batch", "context"), [(6, 33), (16, 256)])
-def test_fused_layer_with_the_down_as_items_passes_the_harness_correctness_check(
-    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("batch", "context", "moe_change"),
+    [
+        (6, 33, {"down_programs": 5}),
+        (16, 256, {"down_programs": 5}),
+        (6, 33, {"stream_programs": 5}),
+    ],
+)
+def test_fused_layer_with_the_moe_as_items_passes_the_harness_correctness_check(
+    batch: int, context: int, moe_change: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The candidate plan's down (items, over 5 programs that loop) inside the whole layer, as
-    the harness judges it: its workspace and counters live beside the other kernels'."""
+    """The MoE's work items inside the whole layer, as the harness judges it: the down as
+    items over 5 programs that loop (down_programs), or the MoE as one kernel over 5 programs
+    (stream_programs); their workspaces and counters live beside the other kernels'."""
     planned = fused.layer_plan
 
-    def with_items(*key: object) -> fused.LayerPlan:
+    def changed(*key: object) -> fused.LayerPlan:
         plan = planned(*key)
-        return dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, down_programs=5))
+        return dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, **moe_change))
 
-    monkeypatch.setattr(fused, "layer_plan", with_items)
+    monkeypatch.setattr(fused, "layer_plan", changed)
     path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
     _assert_passes_the_harness_check(path, _case(batch, context), CPU)
-
-
-def test_fused_layer_with_the_moe_as_one_stream_passes_the_harness_correctness_check(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The MoE as one kernel (stream_programs, 5 programs) inside the whole layer, as the
-    harness judges it: its counters share the buffer the other kernels' would use."""
-    planned = fused.layer_plan
-
-    def as_stream(*key: object) -> fused.LayerPlan:
-        plan = planned(*key)
-        return dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, stream_programs=5))
-
-    monkeypatch.setattr(fused, "layer_plan", as_stream)
-    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
-    _assert_passes_the_harness_check(path, _case(6, 33), CPU)
 
 
 @pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])

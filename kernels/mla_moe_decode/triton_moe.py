@@ -34,7 +34,7 @@
               tile and a fixed order: deterministic, no atomics, no partial buffers. Split K
               (down_splits > 1): each split takes its part of every expert's intermediate
               dimension, and the last split of a tile sums them as gate_up's splits do.
-    down as items (down_programs > 0; measured, not yet in the validated plan): item
+    down as items (down_programs > 0; the plan of runs 19 and 20 above batch 4): item
               (tile, column block), a tile being the shared expert's or a chosen expert's
               chunk of token_rows gathered tokens, as in gate_up; a few programs per SM loop
               over the items, so that one program's pipeline refill at an item's start
@@ -42,6 +42,13 @@
               two programs per SM, and read at 3.2-3.8 TB/s where the gate_up read 4.4-4.6).
               Each item stores its tokens' weighted rows in an fp32 workspace at (token,
               slot); the column block's last item sums each token's slots and writes out.
+    stream    (stream_programs > 0; the plan above batch 4 since 2026-12-06): the gate_up's
+              items and then the down's items (as above, unsplit) in one kernel. Each program
+              claims the next item from a counter until none is left; a gate_up item counts
+              itself in on its expert's ready counter, a down item waits there until all of
+              its expert's gate_up items are in, so the gate_up's last items and the down's
+              first run side by side rather than across a kernel boundary. The wait always
+              ends: it is on items claimed earlier by running programs that wait on nothing.
 
 Tokens are never sorted. The gate_up gathers an expert's tokens into tiles of token_rows rows
 (a chunk; an expert with more tokens has several, whose items come one after another so that

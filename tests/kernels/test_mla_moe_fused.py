@@ -779,6 +779,17 @@ def test_fused_moe_gathers_each_experts_tokens_into_tiles_of_token_rows(
     _check_fused_moe(64, pool, dataclasses.replace(blocks, token_rows=token_rows))
 
 
+# The global experts each batch's tokens draw from (the shard's local experts are 16-23): at
+# batch 1 local 6 and 7; at 2 none at all (the shared expert alone); at 3 local 5 and 7; at 64
+# four local experts, several token tiles each.
+MOE_POOLS = {
+    1: [0, 22, 23, 40, 50, 63],
+    2: [0, 1, 2, 40, 50, 63],
+    3: [0, 21, 23, 40, 50, 63],
+    64: [0, 18, 19, 21, 23, 40, 50, 63],
+}
+
+
 @pytest.mark.parametrize(("down_programs", "down_cols"), [(1, 128), (5, 16), (1000, 64)])
 @pytest.mark.parametrize(("batch", "token_rows"), [(1, 16), (2, 16), (3, 16), (64, 16), (64, 8)])
 def test_fused_moe_down_as_items_matches_the_experts(
@@ -792,12 +803,7 @@ def test_fused_moe_down_as_items_matches_the_experts(
     test above: at batch 2 no local expert at all (the shared expert's tiles alone), at 64
     several chunks per expert. A slot summed twice, a token's row missed, a weight not applied
     or an unchosen expert's NaN weights read all show against float64."""
-    pool = {
-        1: [0, 22, 23, 40, 50, 63],
-        2: [0, 1, 2, 40, 50, 63],
-        3: [0, 21, 23, 40, 50, 63],
-        64: [0, 18, 19, 21, 23, 40, 50, 63],
-    }[batch]
+    pool = MOE_POOLS[batch]
     blocks = MoeBlocks(
         16 if batch <= 16 else 64, 32, 128, down_cols, 64, 4, 1,
         token_rows=token_rows, down_programs=down_programs,
@@ -819,12 +825,7 @@ def test_the_moe_as_one_stream_of_items_matches_the_experts(
     several token tiles per expert. A down item that read an expert's act before it was
     written, a slot summed twice, a token's row missed or an unchosen expert's NaN weights
     read all show against float64; the counters are back at zero afterwards."""
-    pool = {
-        1: [0, 22, 23, 40, 50, 63],
-        2: [0, 1, 2, 40, 50, 63],
-        3: [0, 21, 23, 40, 50, 63],
-        64: [0, 18, 19, 21, 23, 40, 50, 63],
-    }[batch]
+    pool = MOE_POOLS[batch]
     blocks = MoeBlocks(
         16 if batch <= 16 else 64, gate_up_cols, 128, down_cols, 64, 4, 1,
         token_rows=token_rows, stream_programs=programs,

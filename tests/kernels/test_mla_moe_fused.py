@@ -1168,6 +1168,22 @@ def _shard_moe_reference(
     return torch.stack(rows)
 
 
+def _random_routing(
+    c: LayerConfig, gen: torch.Generator, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k distinct expert ids over every GPU's experts, as routing draws them
+    (most on other GPUs), and its routing weights; the first token has at least one expert of
+    this shard, at batch 1 too, and never a repeated id."""
+    ids = torch.stack(
+        [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
+    ).int()
+    local = (ids[0] >= c.expert_offset) & (ids[0] < c.expert_offset + c.experts)
+    if not local.any():
+        ids[0, 0] = c.expert_offset + 5
+    routing = torch.rand(len(h), c.top_k, generator=gen, device="cuda") / 4
+    return ids, routing
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 4, 64])
 def test_capped_gate_up_grid_gives_the_same_bits_as_one_program_per_item(batch: int) -> None:
@@ -1175,13 +1191,7 @@ def test_capped_gate_up_grid_gives_the_same_bits_as_one_program_per_item(batch: 
     that each program loops over several items, the real shard's MoE gives exactly the bits of
     one program per item, with the tokens' own routing (some experts chosen, most not)."""
     c, gen, h, _, experts = _real_shard_moe(batch)
-    ids = torch.stack(
-        [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
-    ).int()
-    local = (ids[0] >= c.expert_offset) & (ids[0] < c.expert_offset + c.experts)
-    if not local.any():  # at least one local expert, at batch 1 too (never a repeated id)
-        ids[0, 0] = c.expert_offset + 5
-    routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
+    ids, routing = _random_routing(c, gen, h)
     plain = dataclasses.replace(
         fused._moe_blocks(batch, True, 132), gate_up_programs=0, stream_programs=0
     )
@@ -1232,11 +1242,7 @@ def test_down_as_items_on_the_real_shard_is_as_close_to_float64_and_replays_the_
     bits may differ), the same bits on every graph replay (one writer per workspace row, a
     fixed sum), and its counters back at zero."""
     c, gen, h, weights, experts = _real_shard_moe(batch)
-    ids = torch.stack(
-        [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
-    ).int()
-    ids[0, 0] = c.expert_offset + 5  # at least one local expert
-    routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
+    ids, routing = _random_routing(c, gen, h)
     two_kernels = dataclasses.replace(fused._moe_blocks(batch, True, 132), stream_programs=0)
     walker = dataclasses.replace(two_kernels, down_programs=0, down_cols=32)
     items = dataclasses.replace(walker, down_programs=528, down_k=128)  # run 19's down
@@ -1259,11 +1265,7 @@ def test_the_moe_as_one_stream_on_the_real_shard_gives_the_items_bits_on_every_r
     order, so a down item that read act before it was written would show), on every graph
     replay, with every counter back at zero."""
     c, gen, h, weights, experts = _real_shard_moe(batch)
-    ids = torch.stack(
-        [torch.randperm(c.experts_total, generator=gen, device="cuda")[: c.top_k] for _ in h]
-    ).int()
-    ids[0, 0] = c.expert_offset + 5  # at least one local expert
-    routing = torch.rand(batch, c.top_k, generator=gen, device="cuda") / 4
+    ids, routing = _random_routing(c, gen, h)
     stream = dataclasses.replace(fused._moe_blocks(batch, True, 132), stream_programs=per_sm * 132)
     items = dataclasses.replace(stream, stream_programs=0, down_programs=528)  # two kernels
     items_out = torch.empty_like(h)

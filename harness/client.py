@@ -129,6 +129,11 @@ def _json_or_none(response: httpx.Response) -> Any:
 def _describe(response: httpx.Response) -> str:
     body = _json_or_none(response)
     if not isinstance(body, dict) or "detail" not in body:  # not pathgate's error reply
+        if response.text.lstrip()[:14].lower().startswith(("<!doctype html", "<html")):
+            return (  # a web server's error page: dozens of lines of markup say nothing more
+                f"HTTP {response.status_code} from {response.url}: a web page, not a pathgate "
+                "service's reply (is --server the service's base URL?)"
+            )
         return f"HTTP {response.status_code}: {response.text[:500]}"
     lines = [f"HTTP {response.status_code}: {body['detail']}"]
     errors = body.get("errors")

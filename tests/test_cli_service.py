@@ -189,6 +189,17 @@ def test_submit_with_half_a_git_source_exits_2(given: list[str]) -> None:
     assert "--git-url and --git-sha go together" in result.output
 
 
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan"])
+def test_submit_refuses_a_timeout_it_cannot_wait_before_submitting(timeout: str) -> None:
+    """Checked before anything is sent: a job queued with no one waiting for it is not what
+    --wait asked for (the server here does not exist, so reaching it would say so)."""
+    args = ["submit", str(SCOPE), "--server", "http://127.0.0.1:9", "--token", "x", "--wait"]
+    result = CliRunner().invoke(app, [*args, "--timeout", timeout])
+    assert result.exit_code == 2, result.output
+    assert "--timeout must be a positive number of seconds" in result.output
+    assert "cannot reach" not in result.output
+
+
 def test_submit_to_no_server_exits_2() -> None:
     result = CliRunner().invoke(
         app, ["submit", str(SCOPE), "--server", "http://127.0.0.1:9", "--token", "x"]
@@ -304,6 +315,7 @@ def test_import_vllm_attach_to_a_server_that_is_not_pathgate_exits_2(
     ("reply", "shown"),
     [
         ((404, b'["nope"]'), 'HTTP 404: ["nope"]'),
+        ((501, b"<!DOCTYPE HTML>\n<html><body>" + b"x" * 900), "a web page, not a pathgate"),
         ((422, b'{"detail": "bad", "errors": [{"loc": 5, "msg": "m"}, 1]}'), "  5: m"),
     ],
 )

@@ -61,6 +61,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
     if request.url.path.startswith(dashboard.PREFIX):  # a person's browser, not an API client
         return dashboard.invalid_request_page(request, exc.errors())
     errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type and "json" not in media_type and ["body"] in (e["loc"] for e in errors):
+        # FastAPI reads only a JSON body as one: any other kind arrives as no object at all
+        detail = f"the body must be JSON (Content-Type: application/json), not {media_type}"
+        return JSONResponse({"detail": detail, "errors": errors}, status_code=415)
     return JSONResponse({"detail": "invalid request", "errors": errors}, status_code=422)
 
 

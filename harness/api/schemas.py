@@ -113,6 +113,7 @@ _PROBLEMS = {
     403: "this needs a maintainer token",
     404: "no such submission (or not yours)",
     413: "request body over the size limit",
+    415: "the body is not sent as JSON (Content-Type must be application/json)",
     422: "invalid request: one entry in `errors` per problem, with its location",
     429: "rate limit reached; see Retry-After",
 }

@@ -45,7 +45,10 @@ SubmissionId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 ScopeName = Annotated[str | None, Query(max_length=64, pattern=r"^[a-z0-9-]*$")]
 
 
-@router.post("/submissions", status_code=201, response_model=SubmissionCreated)
+JSON_BODY = problem_responses(415)
+
+
+@router.post("/submissions", status_code=201, response_model=SubmissionCreated, responses=JSON_BODY)
 def create_submission(
     body: SubmissionCreate, session: SessionDep, token: CurrentToken
 ) -> SubmissionCreated:
@@ -194,7 +197,7 @@ def list_serving_results(
     ]
 
 
-@router.post("/scopes/validate", response_model=ManifestValid)
+@router.post("/scopes/validate", response_model=ManifestValid, responses=JSON_BODY)
 def validate_scope(body: ManifestCheck, request: Request, token: CurrentToken) -> ManifestValid:
     manifest, _ = submissions.parse_manifest(body.manifest)
     return ManifestValid(name=manifest.name, queues=queues_for_manifest(manifest))

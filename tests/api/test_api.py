@@ -210,6 +210,20 @@ def test_not_json_is_422_in_the_usual_shape(
     assert client.get("/v1/submissions", headers=alice).json()["total"] == 0
 
 
+@pytest.mark.parametrize("media_type", ["text/plain", "application/xml", "multipart/form-data"])
+@pytest.mark.parametrize("path", ["/v1/submissions", "/v1/scopes/validate"])
+def test_a_body_sent_as_another_media_type_is_415_saying_so(
+    client: TestClient, alice: dict[str, str], path: str, media_type: str
+) -> None:
+    """A JSON body FastAPI was told is something else arrives as no object: a 422 about a
+    missing dictionary said nothing of the header that caused it."""
+    body = json.dumps({"manifest": RMSNORM})
+    response = client.post(path, content=body, headers={**alice, "content-type": media_type})
+    assert response.status_code == 415, response.text
+    assert "must be JSON (Content-Type: application/json)" in response.json()["detail"]
+    assert client.get("/v1/submissions", headers=alice).json()["total"] == 0
+
+
 def test_git_source_is_stored(client: TestClient, alice: dict[str, str]) -> None:
     response = client.post(
         "/v1/submissions",

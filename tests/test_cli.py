@@ -278,6 +278,42 @@ def test_a_resume_under_other_settings_is_refused(tmp_path: Path, monkeypatch) -
         assert (out / "checkpoint.json").read_text() == "{not json"
 
 
+def test_a_hand_edited_checkpoint_is_refused_and_kept(tmp_path: Path, monkeypatch) -> None:
+    """A checkpoint is the engine's own record: a seed --seed would refuse (the report's
+    command could not run), a case the plan does not hold (it was dropped without a word) or
+    a case twice (counted twice in the note) means it was edited, and the resume refuses."""
+    scope = _small_scope(tmp_path, [])
+    out = tmp_path / "out"
+    args = ["validate", str(scope), "--device", "cpu", "--quick", "--out", str(out), "--resume"]
+    _count_cases(monkeypatch, stop_after=2)
+    CliRunner().invoke(app, args[:-1])
+    monkeypatch.undo()
+    saved = json.loads((out / "checkpoint.json").read_text())
+    stray = {**saved["cases"][0], "id": "batch=49 context=7 cp=1 gpus=1 bfloat16"}
+    edits = [
+        ({"seed": -5}, "seed: Input should be greater than or equal to 0"),
+        ({"cases": [stray, *saved["cases"][1:]]}, "is not in this run's plan"),
+        ({"cases": [*saved["cases"], saved["cases"][0]]}, "twice"),
+    ]
+    for edit, words in edits:
+        text = json.dumps(saved | edit)
+        (out / "checkpoint.json").write_text(text)
+        result = CliRunner().invoke(app, args)
+        message = " ".join(result.output.split())
+        assert result.exit_code == 2 and words in message, result.output
+        assert (out / "checkpoint.json").read_text() == text  # a refusal loses nothing
+
+
+def test_a_folder_where_the_checkpoint_goes_is_named_as_such(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "checkpoint.json").mkdir(parents=True)
+    args = ["validate", str(_small_scope(tmp_path, [])), "--device", "cpu", "--quick"]
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2 and "is not a file: move it away" in message, result.output
+    assert "nothing to resume" not in message
+
+
 def test_ctrl_c_says_what_was_saved(tmp_path: Path, monkeypatch) -> None:
     from harness.evaluation import engine
 

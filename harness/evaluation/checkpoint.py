@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from harness.evaluation.evidence import CaseEvidence, Model
 
@@ -43,7 +43,7 @@ class ResumeRefused(ValueError):
 class Checkpoint(Model):
     scope: str
     manifest: dict[str, Any]
-    seed: int
+    seed: int = Field(ge=0, lt=2**63)  # what --seed takes: the report's command must run
     device: str
     quick: bool
     gpus: int | None
@@ -75,8 +75,10 @@ def write(path: Path, checkpoint: Checkpoint) -> None:
 
 
 def read(path: Path) -> Checkpoint:
-    if not path.is_file():
+    if not path.exists():
         raise ResumeRefused(f"no checkpoint at {path}: nothing to resume")
+    if not path.is_file():  # the run writes its checkpoint there: it must be free for a file
+        raise ResumeRefused(f"{path} is not a file: move it away, or choose another --out")
     try:
         return Checkpoint.model_validate_json(path.read_text())
     except ValidationError as exc:
@@ -155,6 +157,27 @@ def _python_files(root: Path) -> list[Path]:
         subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in SKIPPED]
         found += [Path(folder) / name for name in files if name.endswith(".py")]
     return found
+
+
+def check_cases(checkpoint: Checkpoint, planned: Sequence[tuple[str, str]]) -> None:
+    """Refuse a checkpoint whose cases are not the plan's (case id, origin) pairs, each once:
+    the same seed and scope give the same plan, so a stray or repeated case means the file was
+    edited or comes from elsewhere, and carrying it over would lose or double a measurement."""
+    plan = set(planned)
+    seen: set[tuple[str, str]] = set()
+    for case in checkpoint.cases:
+        key = (case.id, case.origin)
+        if key not in plan:
+            raise ResumeRefused(
+                f"cannot resume: the checkpoint's case {case.id} ({case.origin}) "
+                "is not in this run's plan; delete the checkpoint to start over"
+            )
+        if key in seen:
+            raise ResumeRefused(
+                f"cannot resume: the checkpoint holds case {case.id} "
+                f"({case.origin}) twice; delete the checkpoint to start over"
+            )
+        seen.add(key)
 
 
 def resume_note(checkpoint: Checkpoint, resumed_at: str) -> str:

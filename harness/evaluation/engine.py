@@ -124,6 +124,7 @@ def evaluate(
     if options.checkpoint is not None or options.resume is not None:
         record = _checkpointer(manifest, options, host, secret_seed, started_at, code_digest)
     if options.resume is not None:
+        checkpoints.check_cases(options.resume, [(c.id, c.origin) for c in plan.cases])
         notes.append(checkpoints.resume_note(options.resume, started_at))
         started_at = options.resume.started_at
     run = RunResults()

@@ -232,6 +232,19 @@ class ScopeManifest(Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _cp_degrees_runnable(self) -> ScopeManifest:
+        """A CP degree runs on a GPU count it divides (the ranks split into CP groups); one
+        that divides none of hardware.gpus would leave every run of it 'not run'."""
+        counts = self.hardware.gpus
+        for cp in self.workload.context_parallel:
+            if not any(gpus % cp == 0 for gpus in counts):
+                raise ValueError(
+                    f"workload.context_parallel lists {cp}, but no GPU count in hardware.gpus "
+                    f"({', '.join(map(str, counts))}) splits into CP groups of {cp}"
+                )
+        return self
+
     def _in_scope(self, key: str, value: int) -> bool:
         workload = self.workload
         if key == "batch":

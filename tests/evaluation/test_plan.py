@@ -162,10 +162,10 @@ def test_every_value_a_claim_names_is_measured_even_in_quick_mode() -> None:
 
 def test_gpu_counts_the_host_lacks_are_left_out_and_cp_combinations_only_noted() -> None:
     data = _rmsnorm().model_dump()
-    data["hardware"]["gpus"] = [1, 16]
+    data["hardware"]["gpus"] = [1, 96]  # 96 ranks split into CP groups of each degree below
     data["workload"]["context_parallel"] = [1, 2, 3, 4, 8, 16, 32]  # every degree probes try
     plan = make_plan(ScopeManifest.model_validate(data), Host("cpu", 1), secret_seed=5)
-    assert plan.left_out == ("gpus=16: needs 16x cpu, this host has 1",)
+    assert plan.left_out == ("gpus=96: needs 96x cpu, this host has 1",)
     assert "cp=2 with gpus=1: a CP degree needs that many GPUs" in plan.not_run
     assert "cp=2 with gpus=1: a CP degree needs that many GPUs" not in plan.left_out
     [cp_probe] = [p for p in plan.probes if p.origin == "probe: unlisted CP degree"]

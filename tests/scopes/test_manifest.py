@@ -120,6 +120,21 @@ def test_a_claim_on_cases_outside_the_scope_is_refused(where: dict, outside: str
     assert len(problems) == 1 and f"selects {outside}, outside the scope" in problems[0]
 
 
+@pytest.mark.parametrize(
+    ("gpus", "cp", "refused"), [([1], [1, 3], 3), ([1, 2], [1, 4], 4), ([2, 6], [1, 4], 4)]
+)
+def test_a_cp_degree_no_gpu_count_splits_into_is_refused(
+    gpus: list[int], cp: list[int], refused: int
+) -> None:
+    """Every case of it would be 'not run': check passed such a manifest, validate then ran
+    nothing for the degree and ended INCONCLUSIVE."""
+    data = yaml.safe_load(GOOD)
+    data["hardware"]["gpus"], data["workload"]["context_parallel"] = gpus, cp
+    problems = _problems(yaml.safe_dump(data, sort_keys=False))
+    assert len(problems) == 1, problems
+    assert f"workload.context_parallel lists {refused}, but no GPU count" in problems[0]
+
+
 def test_extra_keys_are_refused_with_their_line() -> None:
     text = GOOD.replace("  phase: decode\n", "  phase: decode\n  batchh: 3\n")
     problems = _problems(text)

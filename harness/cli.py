@@ -153,13 +153,13 @@ def validate(
 def check(scope: Annotated[Path, typer.Argument(help="scope manifest")]) -> None:
     """Validate a manifest without running anything (exit 0 valid, 2 invalid); warn of entry
     points whose modules cannot be found from here."""
-    from harness.evaluation.checkpoint import module_file
+    from harness.evaluation.checkpoint import module_found
 
     manifest = _load_or_exit(scope)
     out_console.print(f"{scope}: valid scope '{manifest.name}' ({len(manifest.claims)} claims)")
     for name in ("problem", "baseline", "candidate", "supports"):
         module = getattr(manifest.path, name).split(":")[0]
-        if module_file(module) is None:  # found without importing: a package may be submitted code
+        if not module_found(module):  # found without importing: a package may be submitted code
             console.print(
                 f"warning: path.{name}: no module {module!r} on this Python's path; validate "
                 "here would crash every case (install the package, or run from where it imports)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,27 @@ def test_a_path_that_looks_like_markup_prints_as_given(tmp_path: Path) -> None:
     bad.write_text(good.read_text().replace("phase: decode", "phase: x"))
     result = CliRunner().invoke(app, ["check", str(bad)])
     assert result.exit_code == 2 and f"{bad}: invalid scope manifest" in result.output
+
+
+@pytest.mark.parametrize(
+    ("entry", "warned"),
+    [
+        ("sys:exit", False),  # built into the interpreter: no file
+        ("os:getcwd", False),  # frozen: no file either
+        ("torch._C:_get_tracing_state", False),  # a compiled submodule
+        ("no_such_package_here:supports", True),
+        ("torch.no_such_module:supports", True),
+    ],
+)
+def test_check_warns_of_an_entry_point_only_when_it_cannot_be_found(
+    tmp_path: Path, entry: str, warned: bool
+) -> None:
+    text = (SCOPES / "fused-add-rmsnorm-h200.yaml").read_text()
+    scope = tmp_path / "s.yaml"
+    scope.write_text(re.sub(r"supports: \S+", f"supports: {entry}", text))
+    result = CliRunner().invoke(app, ["check", str(scope)])
+    assert result.exit_code == 0, result.output
+    assert ("warning: path.supports: no module" in result.output) == warned, result.output
 
 
 def test_schema_command_prints_json_schema() -> None:

@@ -15,6 +15,7 @@ a scope on their own machine), never by the service's workers.
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import importlib.util
 import os
 import tempfile
@@ -134,20 +135,37 @@ def module_file(module: str) -> Path | None:
     top-level package through the import system's finders (sys.path, and the finder an editable
     install registers), the rest as files under it."""
     top, *rest = module.split(".")
-    try:
-        spec = importlib.util.find_spec(top)  # a top-level name: finds, executes nothing
-    except (ImportError, ValueError):
-        return None
+    spec = _top_level_spec(top)
     if spec is None:
         return None
     if not rest:
         return Path(spec.origin) if spec.origin and Path(spec.origin).is_file() else None
     for location in spec.submodule_search_locations or []:
         base = Path(location).joinpath(*rest)
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        suffixes = importlib.machinery.EXTENSION_SUFFIXES  # a compiled module: torch._C
+        compiled = [base.with_name(base.name + suffix) for suffix in suffixes]
+        for candidate in (base.with_suffix(".py"), base / "__init__.py", *compiled):
             if candidate.is_file():
                 return candidate
     return None
+
+
+def module_found(module: str) -> bool:
+    """Whether `import module` would find it, found as module_file finds it: a file, or a
+    top-level module built into the interpreter, which has none (sys; os, frozen)."""
+    if module_file(module) is not None:
+        return True
+    spec = _top_level_spec(module)  # a dotted name: None
+    return spec is not None and spec.origin in ("built-in", "frozen")
+
+
+def _top_level_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    if "." in name:
+        return None
+    try:
+        return importlib.util.find_spec(name)  # a top-level name: finds, executes nothing
+    except (ImportError, ValueError):
+        return None
 
 
 def _python_files(root: Path) -> list[Path]:

@@ -335,12 +335,15 @@ def _check_nodes(root: yaml.Node) -> None:
     Each with its line."""
     problems = []
     checked: set[int] = set()
-    visits, stack = 0, [root]
+    visits, stack, aliased = 0, [root], False
     while stack:
         node = stack.pop()
         visits += 1
+        aliased = aliased or id(node) in checked  # a node met twice: reached through an alias
         if visits > MAX_NODES:
-            message = f"expands to over {MAX_NODES} YAML nodes (through aliases, *name)"
+            how = "expands to" if aliased else "has"
+            through = " (through aliases, *name)" if aliased else "; a manifest has a few hundred"
+            message = f"{how} over {MAX_NODES} YAML nodes{through}"
             raise ManifestError([ManifestProblem("", message, node.start_mark.line + 1)])
         if isinstance(node, yaml.MappingNode):
             if id(node) not in checked:

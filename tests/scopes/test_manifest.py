@@ -195,6 +195,13 @@ def test_aliases_that_expand_past_the_node_cap_are_refused() -> None:
     assert "expands to over" in _problems("a: &l [*l]\n")[0]  # an alias of itself
 
 
+def test_a_manifest_of_too_many_plain_nodes_is_not_said_to_use_aliases() -> None:
+    many = "".join(f"k{i}: [x, x, x, x]\n" for i in range(25_000))
+    [problem] = _problems(GOOD.replace("summary:", many + "summary:", 1))
+    assert "has over 100000 YAML nodes; a manifest has a few hundred" in problem
+    assert "alias" not in problem
+
+
 def test_aliases_a_yaml_writer_makes_for_repeated_values_are_fine() -> None:
     data = yaml.safe_load(GOOD)
     claim = data["claims"][0]

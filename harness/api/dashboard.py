@@ -111,15 +111,19 @@ def _set_cookie(request: Request, response: Response, session: web.WebSession) -
     web.set_cookie(response, session, settings.session_secret, settings.session_max_age_s, secure)
 
 
-def _error(request: Request, status: int, message: str, viewer: Viewer | None = None) -> Response:
-    return _render(request, "error.html", status, viewer, status=status, message=message)
+def _error(
+    request: Request, status: int, message: str, viewer: Viewer | None = None, kept: str = ""
+) -> Response:
+    """The error page; `kept` is text the person typed, shown back so that it is not lost."""
+    return _render(request, "error.html", status, viewer, status=status, message=message, kept=kept)
 
 
 def invalid_request_page(request: Request, errors: Sequence[Any]) -> Response:
     """A dashboard URL with a bad parameter (page=0, an id that is not a number): the HTML error
     page, not the API's JSON."""
     problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in errors)
-    return _error(request, 422, f"This address has a value the dashboard cannot use ({problems}).")
+    where = "form" if any(e["loc"][0] == "body" for e in errors) else "address"
+    return _error(request, 422, f"This {where} has a value the dashboard cannot use ({problems}).")
 
 
 def _to_login(request: Request) -> RedirectResponse:
@@ -323,7 +327,7 @@ def review(
     db: SessionDep,
     submission_id: PathId,
     decision: Annotated[str, Form(max_length=32)] = "",
-    comment: Annotated[str, Form(max_length=MAX_COMMENT_CHARS)] = "",
+    comment: Annotated[str, Form()] = "",  # its length checked below, where the text is kept
     csrf: Annotated[str, Form(max_length=200)] = "",
 ) -> Response:
     viewer = _viewer(request, db)
@@ -332,7 +336,10 @@ def review(
     if not viewer.is_maintainer:
         return _error(request, 403, "Only maintainers review submissions.", viewer)
     if decision not in DECISIONS:
-        return _error(request, 422, "Choose approve or request changes.", viewer)
+        return _error(request, 422, "Choose approve or request changes.", viewer, comment)
+    if len(comment) > MAX_COMMENT_CHARS:
+        message = f"The comment has {len(comment)} characters; at most {MAX_COMMENT_CHARS} fit."
+        return _error(request, 422, message, viewer, comment)
     submission = repo.get_submission(db, submission_id, owner_id=None)
     if submission is None:
         return _error(request, 404, f"No submission {submission_id}.", viewer)

@@ -177,6 +177,24 @@ def test_maintainer_reviews_and_sees_the_trail(client: TestClient, seeded: Seede
         assert event.detail["comment"] == comment
 
 
+def test_a_comment_too_long_is_refused_and_shown_back(client: TestClient, seeded: Seeded) -> None:
+    """The form's maxlength holds only in a browser; past it the comment was thrown away
+    behind a message about 'this address'."""
+    sign_in(client, seeded.tokens["maria"])
+    url = f"/dashboard/submissions/{seeded.submissions['claims']}"
+    comment = "<b>long</b> " * 400  # 4800 characters
+    response = client.post(
+        f"{url}/review",
+        data={"decision": "approve", "comment": comment, "csrf": _csrf(client.get(url).text)},
+    )
+    assert response.status_code == 422
+    assert "The comment has 4800 characters; at most 4000 fit." in response.text
+    assert "&lt;b&gt;long&lt;/b&gt; " * 400 in response.text  # kept, and escaped
+    assert "address" not in response.text
+    with session_scope() as session:
+        assert session.scalars(select(ReviewDecision)).all() == []
+
+
 def test_list_filters_and_pages(client: TestClient, seeded: Seeded) -> None:
     with session_scope() as session:
         from harness.store import repositories as repo

@@ -316,9 +316,8 @@ def submit(
     if (git_url is None) != (git_sha is None):  # else the in-tree code would run unasked
         _error("--git-url and --git-sha go together")
         raise typer.Exit(EXIT_USAGE)
-    if (
-        wait and not timeout > 0
-    ):  # checked before submitting: NaN and <= 0 would queue a job unwatched
+    # before submitting: with NaN or <= 0 the job would be queued and left unwatched
+    if wait and not timeout > 0:
         _error(f"--timeout must be a positive number of seconds, not {timeout}")
         raise typer.Exit(EXIT_USAGE)
     _load_or_exit(scope)

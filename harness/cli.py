@@ -22,6 +22,7 @@ from rich.text import Text
 from harness.config import get_settings
 from harness.evaluation.environment import DeviceUnavailable
 from harness.evaluation.evidence import Evidence
+from harness.evaluation.plan import MAX_SEED
 from harness.serving.cli import app as serving_app
 from scopes.manifest import ManifestError, ScopeManifest, load_manifest_file
 
@@ -33,7 +34,6 @@ EXIT_USAGE = 2
 TOKEN_NAME_MAX = 100  # ApiToken.name's column
 EXIT_NO_VERDICT = 5  # the run stopped before a verdict: an internal error
 EXIT_INTERRUPTED = 130
-MAX_SEED = 2**63 - 1  # the engine draws 63-bit seeds; JSON readers may hold 64-bit integers only
 VERDICT_STYLE = {
     "PASS": "bold green",
     "FAIL": "bold red",

@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from harness.evaluation.evidence import CaseEvidence, Model
+from harness.evaluation.plan import MAX_SEED
 
 FILE_NAME = "checkpoint.json"
 # Not part of the match: readings that change from one moment to the next on the same machine
@@ -44,7 +45,7 @@ class ResumeRefused(ValueError):
 class Checkpoint(Model):
     scope: str
     manifest: dict[str, Any]
-    seed: int = Field(ge=0, lt=2**63)  # what --seed takes: the report's command must run
+    seed: int = Field(ge=0, le=MAX_SEED)  # what --seed takes: the report's command must run
     device: str
     quick: bool
     gpus: int | None

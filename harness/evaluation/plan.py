@@ -49,6 +49,11 @@ class Plan:
         return bool(self.cases)
 
 
+# Seeds are 63-bit (derive_seed, the engine's own draw): a run's seed must go back through
+# --seed and through JSON readers that hold 64-bit signed integers only.
+MAX_SEED = 2**63 - 1
+
+
 def derive_seed(secret_seed: int, *parts: object) -> int:
     """A 63-bit seed for one purpose (a trial, a layer) from the secret run seed."""
     text = ":".join(str(p) for p in (secret_seed, *parts)).encode()

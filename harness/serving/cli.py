@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from harness.evaluation.plan import MAX_SEED
 from harness.serving.ab import ABOptions, ABResult, run_ab, serve_params
 from harness.serving.launcher import interrupts_deferred
 from harness.serving.vllm_import import VllmResultError, import_vllm_result
@@ -49,7 +50,7 @@ def ab_command(
     cp: Annotated[int | None, typer.Option(help="decode CP degree (default: the first)")] = None,
     gpus: Annotated[int | None, typer.Option(help="GPU count (default: the first)")] = None,
     seed: Annotated[
-        int, typer.Option(help="prompt seed, the same for both arms", min=0, max=2**63 - 1)
+        int, typer.Option(help="prompt seed, the same for both arms", min=0, max=MAX_SEED)
     ] = 0,
     host_gpu: Annotated[
         str | None, typer.Option(help="this host's GPU kind (default: from nvidia-smi)")

@@ -84,7 +84,7 @@ from harness.evaluation.stats import median
 from harness.evaluation.timing import LayerSet, capture_graph, run_layers, timed_pairs
 from kernels.mla_moe_decode import cute_gemv, cute_kernels, fused, stock, triton_common
 from kernels.mla_moe_decode.config import LayerConfig
-from kernels.mla_moe_decode.problem import Problem, activated_local_experts
+from kernels.mla_moe_decode.problem import EXPERT_WEIGHTS, Problem, activated_local_experts
 from kernels.mla_moe_decode.triton_attention import (
     AttentionBlocks,
     _combine,
@@ -1169,28 +1169,57 @@ def _differences(got: list[Tensors], expected: list[Tensors]) -> dict[str, float
 # --profile-fused: where a fused layer's time goes, kernel by kernel, inside its CUDA graph.
 
 
+# The MoE's kernels (one stream kernel above batch 4, gate_up and down below): their time
+# against the MoE's own bytes splits the time above the floor between the MoE and the rest.
+MOE_KERNELS = ("_moe_stream_kernel", "_gate_up_kernel", "_down_kernel", "_down_items_kernel")
+
+
 @dataclass
 class ProfileRow:
     batch: int
     context: int
     layer_us: float | None = None  # first kernel start to last kernel end, per layer
     kernels: list[dict[str, object]] = field(default_factory=list)  # one layer, launch order
+    # the middle layer's floor (Problem.floor_bytes / the read bandwidth) and its MoE part:
+    # the shared expert and the local experts this layer's routing activates
+    floor_us: float | None = None
+    moe_floor_us: float | None = None
+    active_local_experts: int | None = None
     errors: list[str] = field(default_factory=list)
 
 
-def profile_fused(problem: Problem, cases: list[tuple[int, int]], t: Target) -> list[ProfileRow]:
+def profile_fused(
+    problem: Problem, cases: list[tuple[int, int]], read_bw: float, t: Target
+) -> list[ProfileRow]:
     """CUPTI kernel records of one replay of the 3-layer fused graph: per kernel of the middle
-    layer its duration and the idle gap before it (launch latency between dependent kernels)."""
-    return _each_case(problem, cases, t, ProfileRow, _profile_case, print_profile_row)
+    layer its duration and the idle gap before it (launch latency between dependent kernels),
+    and that layer's floor with its MoE part."""
+    measure = partial(_profile_case, read_bw=read_bw)
+    return _each_case(problem, cases, t, ProfileRow, measure, print_profile_row)
+
+
+def _moe_bytes(problem: Problem, weights: Tensors, active: int) -> int:
+    shared = weights["shared_gate_up"].nbytes + weights["shared_down"].nbytes
+    return shared + active * sum(weights[n][0].nbytes for n in EXPERT_WEIGHTS)
 
 
 def _profile_case(
-    problem: Problem, weights: list[Tensors], case: Case, row: ProfileRow, t: Target
+    problem: Problem,
+    weights: list[Tensors],
+    case: Case,
+    row: ProfileRow,
+    t: Target,
+    read_bw: float,
 ) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     inputs = [problem.make_inputs(case, 1000 + layer, t.device) for layer in range(LAYERS)]
+    middle_w, middle_x = weights[1], inputs[1]
+    row.active_local_experts = len(activated_local_experts(problem.config, middle_w, middle_x))
+    row.floor_us = 1e6 * problem.floor_bytes(case, middle_w, middle_x) / read_bw
+    moe_bytes = _moe_bytes(problem, middle_w, row.active_local_experts)
+    row.moe_floor_us = 1e6 * moe_bytes / read_bw
     layer_set, _ = _layers(problem, list(zip(weights, inputs, strict=True)), case, t)
     step = _step(fused.forward, layer_set, t)
     for _ in range(3):
@@ -1235,6 +1264,33 @@ def print_profile_row(row: ProfileRow) -> None:
     print("| # | kernel | µs | gap before µs |\n|---|---|---|---|")
     for i, k in enumerate(row.kernels[:40]):  # the CPU smoke run records host ops: many
         print(f"| {i} | {k['name']} | {float(k['us']):.2f} | {float(k['gap_before_us']):.2f} |")  # type: ignore[arg-type]
+    split = above_floor_split(row)
+    if split:
+        print(
+            f"above the floor ({row.active_local_experts} local experts): the MoE "
+            f"{split['moe_above_us']:.1f} µs ({split['moe_us']:.1f} against "
+            f"{row.moe_floor_us:.1f}), the rest {split['rest_above_us']:.1f} µs "
+            f"({split['rest_us']:.1f} with its gaps against {split['rest_floor_us']:.1f})"
+        )
+
+
+def above_floor_split(row: ProfileRow) -> dict[str, float] | None:
+    """The middle layer's time above its floor, split between the MoE's kernels (their µs
+    against the MoE's bytes) and everything else (the other kernels and every gap, against
+    the rest of the floor). None where the profile holds no MoE kernel (the CPU run)."""
+    moe = [k for k in row.kernels if str(k["name"]).startswith(MOE_KERNELS)]
+    if not moe or row.floor_us is None or row.moe_floor_us is None:
+        return None
+    moe_us = sum(float(k["us"]) for k in moe)  # type: ignore[arg-type]
+    spans = sum(float(k["us"]) + float(k["gap_before_us"]) for k in row.kernels)  # type: ignore[arg-type]
+    rest_floor_us = row.floor_us - row.moe_floor_us
+    return {
+        "moe_us": moe_us,
+        "moe_above_us": moe_us - row.moe_floor_us,
+        "rest_us": spans - moe_us,
+        "rest_floor_us": rest_floor_us,
+        "rest_above_us": spans - moe_us - rest_floor_us,
+    }
 
 
 # Programmatic dependent launch: the same fused layer, launched three ways.
@@ -1639,14 +1695,18 @@ def main() -> None:
     if args.profile_fused:
         print("== the fused layer, kernel by kernel", flush=True)
         small_batches = args.batches or ([1, 4, 8] if t.on_gpu else [1])
-        profile_rows = profile_fused(problem, [(b, c) for b in small_batches for c in contexts], t)
+        cases = [(b, c) for b in small_batches for c in contexts]
+        profile_rows = profile_fused(problem, cases, read_bw, t)
         _write(
             args.out,
             {
                 "environment": environment,
                 "is_gpu_evidence": t.on_gpu,
                 "layers_per_graph": LAYERS,
-                "profile": [asdict(r) for r in profile_rows],
+                "read_bytes_per_s": read_bw,
+                "profile": [
+                    {**asdict(r), "above_floor": above_floor_split(r)} for r in profile_rows
+                ],
             },
         )
         return

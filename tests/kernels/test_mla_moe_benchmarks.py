@@ -46,6 +46,28 @@ def test_profile_fused_writes_each_kernel_of_a_layer(tmp_path: Path) -> None:
     assert [(r["batch"], r["errors"]) for r in rows] == [(1, [])]
     assert rows[0]["layer_us"] > 0 and rows[0]["kernels"]
     assert all({"name", "us", "gap_before_us"} <= set(k) for k in rows[0]["kernels"])
+    # the middle layer's floor and its MoE part (the CPU profile records host ops, no kernels)
+    assert rows[0]["floor_us"] > rows[0]["moe_floor_us"] > 0
+    assert rows[0]["above_floor"] is None
+
+
+def test_above_floor_split_charges_the_moe_kernels_and_the_rest_with_every_gap() -> None:
+    kernels = [
+        {"name": "kernel_cutlass_norm", "us": 2.5, "gap_before_us": 0.5},
+        {"name": "_route_kernel", "us": 5.0, "gap_before_us": 0.5},
+        {"name": "_gate_up_kernel", "us": 100.0, "gap_before_us": 0.5},
+        {"name": "_down_items_kernel", "us": 50.0, "gap_before_us": 0.5},
+    ]
+    row = device_check.ProfileRow(8, 1024, kernels=kernels, floor_us=150.0, moe_floor_us=140.0)
+    split = device_check.above_floor_split(row)
+    assert split == {
+        "moe_us": 150.0,
+        "moe_above_us": 10.0,
+        "rest_us": 9.5,  # 2.5 + 5.0 and all four gaps
+        "rest_floor_us": 10.0,
+        "rest_above_us": -0.5,
+    }
+    assert device_check.above_floor_split(dataclasses.replace(row, kernels=kernels[:2])) is None
 
 
 def test_attention_sweep_checks_every_variant_against_the_reference(tmp_path: Path) -> None:

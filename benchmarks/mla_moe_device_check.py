@@ -1180,11 +1180,13 @@ class ProfileRow:
     context: int
     layer_us: float | None = None  # first kernel start to last kernel end, per layer
     kernels: list[dict[str, object]] = field(default_factory=list)  # one layer, launch order
-    # the middle layer's floor (Problem.floor_bytes / the read bandwidth) and its MoE part:
-    # the shared expert and the local experts this layer's routing activates
+    # the middle layer's floor (Problem.floor_bytes / the read bandwidth, but with the experts
+    # the fused routing chose: they differ from the stock routing's only on a near-tie) and
+    # its MoE part: the shared expert and those local experts
     floor_us: float | None = None
-    moe_floor_us: float | None = None
-    active_local_experts: int | None = None
+    moe_floor_us: float | None = None  # of the experts the fused routing chose (what it read)
+    active_local_experts: int | None = None  # chosen by the stock routing (the floor's)
+    fused_local_experts: int | None = None  # chosen by the fused path's own routing
     errors: list[str] = field(default_factory=list)
 
 
@@ -1198,7 +1200,7 @@ def profile_fused(
     return _each_case(problem, cases, t, ProfileRow, measure, print_profile_row)
 
 
-def _moe_bytes(problem: Problem, weights: Tensors, active: int) -> int:
+def _moe_bytes(weights: Tensors, active: int) -> int:
     shared = weights["shared_gate_up"].nbytes + weights["shared_down"].nbytes
     return shared + active * sum(weights[n][0].nbytes for n in EXPERT_WEIGHTS)
 
@@ -1218,8 +1220,13 @@ def _profile_case(
     middle_w, middle_x = weights[1], inputs[1]
     row.active_local_experts = len(activated_local_experts(problem.config, middle_w, middle_x))
     row.floor_us = 1e6 * problem.floor_bytes(case, middle_w, middle_x) / read_bw
-    moe_bytes = _moe_bytes(problem, middle_w, row.active_local_experts)
+    # a near-tie may route the two paths to different experts: the MoE's kernels read the
+    # fused routing's, so their part of the floor counts those (the rest is the same bytes)
+    row.fused_local_experts = _local_experts(problem.config, fused.route(middle_w, middle_x)[1])
+    moe_bytes = _moe_bytes(middle_w, row.fused_local_experts)
     row.moe_floor_us = 1e6 * moe_bytes / read_bw
+    stock_moe_bytes = _moe_bytes(middle_w, row.active_local_experts)
+    row.floor_us += 1e6 * (moe_bytes - stock_moe_bytes) / read_bw
     layer_set, _ = _layers(problem, list(zip(weights, inputs, strict=True)), case, t)
     step = _step(fused.forward, layer_set, t)
     for _ in range(3):
@@ -1267,7 +1274,7 @@ def print_profile_row(row: ProfileRow) -> None:
     split = above_floor_split(row)
     if split:
         print(
-            f"above the floor ({row.active_local_experts} local experts): the MoE "
+            f"above the floor ({row.fused_local_experts} local experts): the MoE "
             f"{split['moe_above_us']:.1f} µs ({split['moe_us']:.1f} against "
             f"{row.moe_floor_us:.1f}), the rest {split['rest_above_us']:.1f} µs "
             f"({split['rest_us']:.1f} with its gaps against {split['rest_floor_us']:.1f})"

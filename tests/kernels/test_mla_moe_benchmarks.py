@@ -48,6 +48,7 @@ def test_profile_fused_writes_each_kernel_of_a_layer(tmp_path: Path) -> None:
     assert all({"name", "us", "gap_before_us"} <= set(k) for k in rows[0]["kernels"])
     # the middle layer's floor and its MoE part (the CPU profile records host ops, no kernels)
     assert rows[0]["floor_us"] > rows[0]["moe_floor_us"] > 0
+    assert rows[0]["fused_local_experts"] >= 0 and rows[0]["active_local_experts"] >= 0
     assert rows[0]["above_floor"] is None
 
 

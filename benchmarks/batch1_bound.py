@@ -248,7 +248,11 @@ def drawn_local_experts(evidences: list[dict[str, Any]], batch: int) -> list[flo
 
 
 def fused_chance(
-    evidence: dict[str, Any], draws: list[float], batch: int, target: float
+    evidence: dict[str, Any],
+    draws: list[float],
+    batch: int,
+    target: float,
+    draw_bytes_per_s: float | None = None,
 ) -> dict[str, Any]:
     """The chance that the fused path meets `target` of the floor at every context of `batch`
     in a validate with fresh routing draws (each as likely as one of `draws`), taking each
@@ -256,7 +260,10 @@ def fused_chance(
     floor moves little with the draw: "Time above the floor" in docs/benchmarks.md); and the
     cut in µs above the floor, the same at every context, that would raise that chance to each
     of CHANCE_LEVELS. Conditional on this evidence's machine and bandwidth reading (the floors'
-    divisor), which are not drawn: a validate on another day reads another bandwidth."""
+    divisor), which are not drawn: a validate on another day reads another bandwidth.
+    `draw_bytes_per_s`: the draws' floors divide by this instead (another machine's floor
+    bandwidth), the µs above the floor staying this evidence's: what the same kernels would
+    give on an HBM of that speed if their time above the floor stayed as it is (a model)."""
     if not draws:
         raise ValueError(f"no routing draws at batch {batch}")
     problem = Problem(evidence["manifest"]["model"]["config"])
@@ -273,7 +280,8 @@ def fused_chance(
                 "fused_fraction": perf["candidate_hbm_fraction"],
                 "above_us": perf["candidate_us_median"] - floor_us,
                 "draw_floors_us": [
-                    1e6 * problem.layer_bytes(context_case, n) / bytes_per_s for n in draws
+                    1e6 * problem.layer_bytes(context_case, n) / (draw_bytes_per_s or bytes_per_s)
+                    for n in draws
                 ],
             }
         )
@@ -286,6 +294,7 @@ def fused_chance(
         "batch": batch,
         "target": target,
         "draws": len(draws),
+        "draw_bytes_per_s": draw_bytes_per_s,  # None: each case's own reading
         "draws_local_experts_per_layer": [min(draws), statistics.median(draws), max(draws)],
         "chance_all_contexts": math.prod(row["chance"] for row in rows),
         "cut_needed_us": {str(level): _cut_for(rows, level, target) for level in CHANCE_LEVELS},
@@ -377,6 +386,11 @@ def print_fused_chance(chance: dict[str, Any]) -> None:
         f"the floor on a fresh draw, at this run's µs above the floor ({chance['draws']} "
         f"draws, local experts per layer {low:.1f} / {middle:.1f} / {high:.1f}):"
     )
+    if chance["draw_bytes_per_s"]:
+        print(
+            f"(the draws' floors at {chance['draw_bytes_per_s'] / 1e12:.2f} TB/s, not this "
+            "run's: a model of another machine, the floor column stays this run's)"
+        )
     print("| context | local experts / layer | floor µs | fused | above the floor µs | chance |")
     print("|---|---|---|---|---|---|")
     for row in chance["cases"]:
@@ -434,6 +448,13 @@ def main() -> None:
         help="more evidence files whose cases' routing draws the chance uses (besides --evidence)",
     )
     parser.add_argument(
+        "--draw-bandwidth",
+        type=float,
+        default=None,
+        help="TB/s: the draws' floors at another machine's floor bandwidth, the µs above the "
+        "floor staying the evidence's (what these kernels would give there if that held)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/batch1_bound.json")
     )
     args = parser.parse_args()
@@ -453,7 +474,8 @@ def main() -> None:
             print(f"(no batch-{batch} case in the evidence: no chance computed for it)")
             continue
         draws = drawn_local_experts(evidences, batch)
-        result["fused_chance"].append(fused_chance(evidence, draws, batch, target))
+        draw_bw = args.draw_bandwidth * 1e12 if args.draw_bandwidth else None
+        result["fused_chance"].append(fused_chance(evidence, draws, batch, target, draw_bw))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_tables(result)

@@ -203,6 +203,27 @@ def test_the_fused_chance_is_the_share_of_draws_whose_floor_leaves_room_for_the_
     assert result["cut_needed_us"]["0.5"] <= result["cut_needed_us"]["0.9"]
 
 
+def test_another_machines_bandwidth_divides_the_draws_floors_and_keeps_the_time_above() -> None:
+    """At twice the bandwidth every draw's floor halves while the case's 60 µs above the floor
+    stays: 0.70 then needs floor >= 140 µs of the faster HBM, which of these draws only 9
+    experts reach (all five at the evidence's own bandwidth); the floor column stays the
+    evidence's own."""
+    bandwidth, draws = 3.0e12, [5.0, 6.0, 7.0, 8.0, 9.0]
+    evidence = _evidence([(8, 1024, 7.0)])
+    perf = evidence["cases"][0]["performance"]
+    perf["hbm_bytes_per_s"] = bandwidth
+    perf["candidate_us_median"] = 1e6 * perf["bytes_moved"] / bandwidth + 60.0
+    same = batch1_bound.fused_chance(evidence, draws, 8, 0.7)
+    faster = batch1_bound.fused_chance(evidence, draws, 8, 0.7, 2 * bandwidth)
+    assert faster["draw_bytes_per_s"] == 2 * bandwidth and same["draw_bytes_per_s"] is None
+    assert faster["cases"][0]["above_us"] == pytest.approx(60.0)
+    assert faster["cases"][0]["floor_us"] == same["cases"][0]["floor_us"]
+    bar = 60.0 * 0.7 / 0.3
+    passing = [n for n in draws if _floor_us(1024, n, 2 * bandwidth) >= bar]
+    assert faster["chance_all_contexts"] == len(passing) / len(draws)
+    assert (faster["chance_all_contexts"], same["chance_all_contexts"]) == (1 / 5, 1.0)
+
+
 def test_the_cut_is_the_least_quarter_microsecond_that_reaches_the_chance() -> None:
     """Two contexts, each 30 µs over its floor, each with draws of floors 50, 60, 70 and 80 µs:
     0.70 needs floor >= (30 - cut) x 7/3, so three draws pass from a cut of 30 - 60 x 3/7

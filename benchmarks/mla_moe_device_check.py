@@ -1314,16 +1314,16 @@ class PdlRow:
 
 
 def _compare_pdl_modes(
-    problem: Problem,
-    weights: list[Tensors],
-    case: Case,
-    row: PdlRow,
-    t: Target,
-    only: tuple[str, ...] = (),
+    problem: Problem, weights: list[Tensors], case: Case, row: PdlRow, t: Target
 ) -> None:
-    """The plan ("off") and each PDL_VARIANTS setting (those named in `only`, if any)."""
-    chosen = {name: v for name, v in PDL_VARIANTS.items() if not only or name in only}
-    _compare_settings(problem, weights, case, row, t, chosen)
+    def use(mode: str) -> None:
+        triton_common.dependent_launch = mode  # read at capture: the graph keeps its launches
+
+    try:
+        variants = {mode: partial(use, mode) for mode in triton_common.DEPENDENT_LAUNCH_MODES}
+        _compare_variants(problem, weights, case, row, t, variants)
+    finally:
+        triton_common.dependent_launch = DEPENDENT_LAUNCH_DEFAULT
 
 
 # The small kernels' launch shapes: each change alone against the plan. The first sweep
@@ -1359,21 +1359,6 @@ def with_plan_value(
     if owner is plan.attention:
         return replace(plan, attention=replace(plan.attention, **change))
     return replace(plan, **change)
-
-
-def _triton_gemvs(plan: fused.LayerPlan) -> fused.LayerPlan:
-    return with_plan_value(plan, "gemv_cute", False)
-
-
-# --sweep-pdl: (PDL mode, change of the plan) against the plan launched plainly. Each mode
-# with the plan's kernels; and, since the CuTe DSL GEMVs (the plan at batch <= 8) have no PDL
-# launch, the Triton GEMVs plain and in mode "gemv" (the GEMVs released early by the small
-# kernel before each, their weights asked of L2 while it runs)
-PDL_VARIANTS: dict[str, tuple[str, Callable[[fused.LayerPlan], fused.LayerPlan] | None]] = {
-    **{mode: (mode, None) for mode in triton_common.DEPENDENT_LAUNCH_MODES if mode != "off"},
-    "Triton GEMVs": ("off", _triton_gemvs),
-    "gemv, Triton GEMVs": ("gemv", _triton_gemvs),
-}
 
 
 def _compare_small_kernels(
@@ -1481,22 +1466,8 @@ def _compare_plans(
     t: Target,
     changes: Mapping[str, Callable[[fused.LayerPlan], fused.LayerPlan]],
 ) -> None:
-    """The plan ("off") and each change of it, launched plainly."""
-    settings = {name: ("off", change) for name, change in changes.items()}
-    _compare_settings(problem, weights, case, row, t, settings)
-
-
-def _compare_settings(
-    problem: Problem,
-    weights: list[Tensors],
-    case: Case,
-    row: PdlRow,
-    t: Target,
-    settings: Mapping[str, tuple[str, Callable[[fused.LayerPlan], fused.LayerPlan] | None]],
-) -> None:
-    """The plan launched plainly ("off") and each (PDL mode, change of the plan) setting:
-    fused.layer_plan is replaced, for the whole comparison, by one that applies the current
-    variant's change; both are read at capture (a graph keeps its launches)."""
+    """The plan ("off") and each change of it: fused.layer_plan is replaced, for the whole
+    comparison, by one that applies the current variant's change."""
     planned = fused.layer_plan
     current: list[Callable[[fused.LayerPlan], fused.LayerPlan]] = []  # none for "off"
 
@@ -1504,17 +1475,13 @@ def _compare_settings(
         plan = planned(*key)
         return current[0](plan) if current else plan
 
-    def use(mode: str, change: Callable[[fused.LayerPlan], fused.LayerPlan] | None) -> None:
-        triton_common.dependent_launch = mode
+    def use(change: Callable[[fused.LayerPlan], fused.LayerPlan] | None) -> None:
         current[:] = [change] if change else []
 
-    variants = {"off": partial(use, "off", None)}
-    variants |= {name: partial(use, *setting) for name, setting in settings.items()}
-    try:
-        with mock.patch.object(fused, "layer_plan", changed):
-            _compare_variants(problem, weights, case, row, t, variants)
-    finally:
-        triton_common.dependent_launch = DEPENDENT_LAUNCH_DEFAULT
+    variants = {"off": partial(use, None)}
+    variants |= {name: partial(use, change) for name, change in changes.items()}
+    with mock.patch.object(fused, "layer_plan", changed):  # read at capture, as PDL's mode
+        _compare_variants(problem, weights, case, row, t, variants)
 
 
 def _compare_variants(
@@ -1710,7 +1677,7 @@ def main() -> None:
         contexts = [min(context // 128, fused.CPU_CONTEXT[1]) for context in contexts]
     if args.sweep_pdl or args.sweep_small_kernels or args.sweep_moe_plan:
         compare = (
-            partial(_compare_pdl_modes, only=tuple(args.variants))
+            _compare_pdl_modes
             if args.sweep_pdl
             else partial(_compare_small_kernels, only=tuple(args.variants))
             if args.sweep_small_kernels
@@ -1875,10 +1842,10 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         nargs="+",
         default=[],
-        choices=[*SMALL_KERNEL_VARIANTS, *MOE_PLAN_VARIANTS, *PDL_VARIANTS],
+        choices=[*SMALL_KERNEL_VARIANTS, *MOE_PLAN_VARIANTS],
         metavar="NAME",
-        help="with --sweep-small-kernels, --sweep-moe-plan or --sweep-pdl: only these of its "
-        "variants (SMALL_KERNEL_VARIANTS, MOE_PLAN_VARIANTS, PDL_VARIANTS; default: all)",
+        help="with --sweep-small-kernels or --sweep-moe-plan: only these of its variants "
+        "(SMALL_KERNEL_VARIANTS, MOE_PLAN_VARIANTS; default: all)",
     )
     parser.add_argument(
         "--sweep-moe-plan",

@@ -191,7 +191,7 @@ def latent_prep(
         BLOCK_L=triton.next_power_of_2(lora),
         BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
         num_warps=num_warps,
-        **pdl_options(parts.device, "feeds_gemv"),  # q_b's
+        **pdl_options(parts.device),
     )
 
 
@@ -854,5 +854,5 @@ def w_uv(
         BLOCK_K=min(128, triton.next_power_of_2(lora)),
         DOT_F32=not on_gpu(o_lat),
         num_warps=blocks.uv_warps,
-        **pdl_options(o_lat.device, "feeds_gemv"),  # o_proj's
+        **pdl_options(o_lat.device),
     )

@@ -24,10 +24,6 @@
   (and spin) for the whole kernel. "prefetch": "early", and the GEMVs ask L2 for their weight
   slice (memory nothing in the layer writes) before they wait. Measured on the H200
   (docs/mla_moe_notes.md): "early" and "prefetch" were 2-11% slower than "off", same bits.
-  "gemv": only where a GEMV follows a small one-wave kernel (latent_prep -> q_b, w_uv ->
-  o_proj, the post-attention norm -> router) does that kernel release it at its start; the
-  GEMV's programs ask L2 for their weight slice while it runs, then wait. Every other kernel
-  launches plainly, so no big kernel shares its SMs with a waiting successor ("early"'s cost).
   A non-PDL kernel (the CuTe DSL norm, any torch op) waits for everything before it as usual.
 """
 
@@ -39,16 +35,8 @@ import triton.language as tl
 
 # See the module docstring. Benchmarks switch it to compare (mla_moe_device_check.py
 # --sweep-pdl); the CPU interpreter always runs "off". The value each mode gives the kernels'
-# PDL constexpr, by the kernel's role (KERNEL_ROLES): 0 plain, 1 wait at the start, 2 release
-# the successor, then wait.
-KERNEL_ROLES = ("feeds_gemv", "gemv", "other")
-DEPENDENT_LAUNCH_MODES = {
-    "off": (0, 0, 0),
-    "exit": (1, 1, 1),
-    "early": (2, 2, 2),
-    "prefetch": (2, 2, 2),
-    "gemv": (2, 1, 0),
-}
+# PDL constexpr: 0 plain, 1 wait at the start, 2 release the successor, then wait.
+DEPENDENT_LAUNCH_MODES = {"off": 0, "exit": 1, "early": 2, "prefetch": 2}
 dependent_launch = "off"
 
 
@@ -134,23 +122,21 @@ def rows_per_program(batch: int, on_gpu: bool) -> int:
     return 1 if on_gpu else min(16, triton.next_power_of_2(batch))
 
 
-def pdl_options(device: torch.device, role: str = "other") -> dict[str, int | bool]:
-    """The launch keywords of a layer kernel in `role` (KERNEL_ROLES): its PDL constexpr and
-    Triton's launch_pdl attribute. Off on the CPU and before sm_90 (no griddepcontrol there)."""
+def pdl_options(device: torch.device) -> dict[str, int | bool]:
+    """The launch keywords of a layer kernel: its PDL constexpr and Triton's launch_pdl
+    attribute. Off on the CPU and before sm_90 (no griddepcontrol there)."""
     if dependent_launch not in DEPENDENT_LAUNCH_MODES:
         modes = ", ".join(DEPENDENT_LAUNCH_MODES)
         raise ValueError(f"dependent_launch {dependent_launch!r}: one of {modes}")
-    level = DEPENDENT_LAUNCH_MODES[dependent_launch][KERNEL_ROLES.index(role)]
+    level = DEPENDENT_LAUNCH_MODES[dependent_launch]
     if level == 0 or device.type != "cuda" or not _sm90_or_later(device.index):
         return {"PDL": 0}  # no launch_pdl keyword: the interpreter has no such option
     return {"PDL": level, "launch_pdl": True}
 
 
 def prefetch_weights(device: torch.device) -> bool:
-    """Whether the GEMVs prefetch their weight slice while they wait (modes "prefetch" and
-    "gemv")."""
-    prefetching = dependent_launch in ("prefetch", "gemv")
-    return prefetching and pdl_options(device, "gemv")["PDL"] > 0
+    """Whether the GEMVs prefetch their weight slice while they wait (mode "prefetch")."""
+    return dependent_launch == "prefetch" and pdl_options(device)["PDL"] > 0
 
 
 def _sm90_or_later(index: int | None) -> bool:

@@ -152,6 +152,6 @@ def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> to
         PREFETCH=prefetch_weights(x.device),
         num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,
-        **pdl_options(x.device, "gemv"),
+        **pdl_options(x.device),
     )
     return parts

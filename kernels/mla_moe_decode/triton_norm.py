@@ -96,5 +96,5 @@ def add_rmsnorm(
         BLOCK_D=block,
         TWO_RESIDUALS=len(residuals) == 2,
         num_warps=num_warps or min(16, max(1, block // 512)),
-        **pdl_options(parts.device, "feeds_gemv"),  # the router's (the layer's kernel 10)
+        **pdl_options(parts.device),
     )

@@ -16,14 +16,13 @@ import torch
 from benchmarks import mla_moe_device_check as device_check
 from benchmarks.mla_moe_device_check import (
     MOE_PLAN_VARIANTS,
-    PDL_VARIANTS,
     SMALL_KERNEL_VARIANTS,
     moe_before_seventeenth,
     run18_moe_plan,
     run19_moe_plan,
     with_plan_value,
 )
-from kernels.mla_moe_decode import fused, triton_common
+from kernels.mla_moe_decode import fused
 from kernels.mla_moe_decode.config import LayerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,42 +174,6 @@ def test_small_kernel_sweep_takes_only_the_variants_named(monkeypatch) -> None:
         assert flipped == dataclasses.replace(plan, gemv_cute=not cute)
     with pytest.raises(SystemExit):
         device_check._parse_args(["--sweep-small-kernels", "--variants", "GEMVs in Cute"])
-
-
-def test_pdl_sweep_times_each_mode_and_the_triton_gemvs_and_restores_the_mode(
-    tmp_path: Path,
-) -> None:
-    """On the CPU every PDL mode launches plainly, so every variant gives the plan's bits; the
-    Triton GEMVs are the plan's there too (the CuTe DSL ones are a GPU choice)."""
-    out = tmp_path / "pdl.json"
-    args = ("--small", "--quick", "--sweep-pdl", "--batches", "3", "--out", str(out))
-    _run("mla_moe_device_check.py", *args)
-    rows = json.loads(out.read_text())["pdl"]
-    assert [(r["batch"], r["errors"]) for r in rows] == [(3, [])]
-    assert set(rows[0]["us"]) == set(PDL_VARIANTS)
-    assert all(rows[0]["same_bits"].values())
-
-
-def test_pdl_sweep_sets_each_variants_mode_and_plan_and_restores_the_mode(monkeypatch) -> None:
-    """Each variant's set-up, run as the comparison runs it (before its capture), gives the
-    mode and plan it names; after the comparison the module's mode is back at its default."""
-    seen: dict[str, tuple[str, bool]] = {}
-
-    def record(problem, weights, case, row, t, variants) -> None:  # type: ignore[no-untyped-def]
-        for name, set_up in variants.items():
-            set_up()
-            plan = fused.layer_plan(LayerConfig(), 8, 1024, True, 132)
-            seen[name] = (triton_common.dependent_launch, plan.gemv_cute)
-
-    monkeypatch.setattr(device_check, "_compare_variants", record)
-    only = ("gemv, Triton GEMVs", "exit")
-    device_check._compare_pdl_modes(None, [], None, None, None, only=only)  # type: ignore[arg-type]
-    assert seen == {
-        "off": ("off", True),
-        "gemv, Triton GEMVs": ("gemv", False),
-        "exit": ("exit", True),
-    }
-    assert triton_common.dependent_launch == "off"
 
 
 def test_moe_plan_sweep_times_the_earlier_moe_plan_against_the_plan(tmp_path: Path) -> None:

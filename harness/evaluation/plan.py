@@ -21,6 +21,9 @@ from scopes.manifest import IntRange, ScopeManifest
 # A CPU host runs a case of N "GPUs" as N gloo processes (the multi-rank machinery's CPU form).
 CPU_MAX_RANKS = 8
 OTHER_DTYPE = {"bfloat16": "float16", "float16": "bfloat16", "float32": "bfloat16"}
+# Seeds are 63-bit (derive_seed, the engine's own draw): a run's seed must go back through
+# --seed and through JSON readers that hold 64-bit signed integers only.
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -47,11 +50,6 @@ class Plan:
     @property
     def runnable(self) -> bool:
         return bool(self.cases)
-
-
-# Seeds are 63-bit (derive_seed, the engine's own draw): a run's seed must go back through
-# --seed and through JSON readers that hold 64-bit signed integers only.
-MAX_SEED = 2**63 - 1
 
 
 def derive_seed(secret_seed: int, *parts: object) -> int:

@@ -45,7 +45,7 @@ def make_manifest(
                 "supports": f"{FIXTURES}:{supports}",
             },
             "model": {"id": "test/rmsnorm", "dtype": "bfloat16", "config": {"hidden": HIDDEN}},
-            "hardware": {"gpu": ["cpu", "H200"], "gpus": [1]},
+            "hardware": {"gpu": ["cpu", "H200", "H100"], "gpus": [1]},  # either Hopper
             "workload": {
                 "phase": "decode",
                 "batch": {"min": bad_paths.MIN_BATCH, "max": bad_paths.MAX_BATCH},

@@ -46,8 +46,8 @@ table last and writes JSON (default pathgate-out/benchmarks/mla_moe_device_check
         the plan
     python3 benchmarks/mla_moe_device_check.py --sweep-moe-plan  # as --sweep-pdl: the layer
         with each MOE_PLAN_VARIANTS change of the MoE plan (the one-kernel MoE's down items 32
-        columns wide; the routing in the stream or as its own kernel; the MoE plans of runs
-        19 and 18 and from before the seventeenth session) against the plan
+        columns wide; the MoE plans of runs 19 and 18 and from before the seventeenth
+        session) against the plan
     python3 benchmarks/mla_moe_device_check.py --small --quick  # CPU smoke run of this script:
         test sizes under Triton's interpreter, the CuTe DSL step as its Triton stand-in, host
         clock instead of graphs, the eager stock standing in for the compiled one
@@ -1429,22 +1429,11 @@ def stream_down_columns(plan: fused.LayerPlan, batch: int, down_cols: int) -> fu
     return _with_moe(plan, down_cols=down_cols)
 
 
-def stream_routing(plan: fused.LayerPlan, batch: int, in_stream: bool) -> fused.LayerPlan:
-    """The one-kernel MoE routing the batch itself (in_stream) or after route's kernel; the
-    plan elsewhere (the batch is the plan's already; taken as the other variants take it)."""
-    if not plan.moe.stream_programs:
-        return plan
-    return _with_moe(plan, route_in_stream=in_stream)
-
-
 # --sweep-moe-plan: against the plan (the MoE as one kernel above batch 4), the one kernel with
-# 32-column down items, the routing in the stream or not (whichever the plan does not), and
-# (per case, as they depend on the batch) the MoE plans of runs 19, 18 and before the
-# seventeenth session, each in the whole layer
+# 32-column down items, and (per case, as they depend on the batch) the MoE plans of runs 19,
+# 18 and before the seventeenth session, each in the whole layer
 MOE_PLAN_VARIANTS: dict[str, Callable[[fused.LayerPlan, int], fused.LayerPlan]] = {
     "stream, down 32 columns": partial(stream_down_columns, down_cols=32),
-    "routing in the stream": partial(stream_routing, in_stream=True),
-    "routing kernel": partial(stream_routing, in_stream=False),
     "run 19": run19_moe_plan,
     "run 18": run18_moe_plan,
     "moe before": moe_before_seventeenth,

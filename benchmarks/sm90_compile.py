@@ -12,7 +12,7 @@ arguments, constexprs, warps and stages, and reads the cubin's resources: regist
 Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compiler needs):
 
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
-        [--moe plan|run18|run19|routed] [--gemv plan|triton|cute] [--fold-latent-prep]
+        [--moe plan|run18|run19] [--gemv plan|triton|cute] [--fold-latent-prep]
         [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
@@ -308,8 +308,6 @@ def compile_layer(
         from benchmarks.mla_moe_device_check import run18_moe_plan, run19_moe_plan
 
         plan = (run18_moe_plan if moe == "run18" else run19_moe_plan)(plan, batch)
-    if moe == "routed" and plan.moe.stream_programs:  # the one-kernel MoE routing the batch
-        plan = replace(plan, moe=replace(plan.moe, route_in_stream=True))
     gemv_cute = plan.gemv_cute if gemv == "plan" else gemv == "cute"
     plan = replace(plan, gemv_cute=gemv_cute, fold_latent_prep=fold_latent_prep)
     launches = layer_launches(batch, context, plan)
@@ -341,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
-    parser.add_argument("--moe", choices=("plan", "run18", "run19", "routed"), default="plan")
+    parser.add_argument("--moe", choices=("plan", "run18", "run19"), default="plan")
     parser.add_argument(
         "--gemv",
         choices=("plan", "triton", "cute"),

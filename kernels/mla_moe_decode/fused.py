@@ -71,7 +71,7 @@ from kernels.mla_moe_decode.triton_attention import (
 )
 from kernels.mla_moe_decode.triton_common import on_gpu
 from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
-from kernels.mla_moe_decode.triton_moe import MoeBlocks, Router, routed_moe
+from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe
 from kernels.mla_moe_decode.triton_moe import route as route_experts
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm
 
@@ -403,20 +403,15 @@ def route(weights: Tensors, inputs: Tensors) -> tuple[torch.Tensor, torch.Tensor
     }
     if not _in_scope(config, weights, inputs, scratch):
         return stock.route(weights, inputs)
-    _, router = _attention_and_router(config, weights, inputs, scratch)
-    # route's kernel: the same code as the routing items of the one-kernel MoE
-    ids, routing = route_experts(
-        router.parts, router.bias, router.top_k, router.normalize, router.scaling,
-        router.num_warps, router.weights_in_loop,
-    )  # fmt: skip
+    _, ids, routing = _attention_and_routing(config, weights, inputs, scratch)
     return routing, ids.long()
 
 
 def _fused_layer(c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors) -> None:
-    moe_in, router = _attention_and_router(c, w, inputs, out)
+    moe_in, ids, routing = _attention_and_routing(c, w, inputs, out)
     experts = (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
     plan = _plan(c, moe_in, inputs["kv_cache"].shape[1])
-    routed_moe(moe_in, router, *experts, out["out"], c.expert_offset, plan.moe)
+    fused_moe(moe_in, ids, routing, *experts, out["out"], c.expert_offset, plan.moe)
 
 
 def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
@@ -425,11 +420,11 @@ def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
     return layer_plan(c, x.shape[0], context, gpu, sm_count)
 
 
-def _attention_and_router(
+def _attention_and_routing(
     c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors
-) -> tuple[torch.Tensor, Router]:
-    """Kernels 1-11: writes out["kv_new"] and out["residual_out"]; returns the MoE input
-    (B, hidden) bf16 and what the routing reads (the router GEMV's partial sums)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernels 1-12: writes out["kv_new"] and out["residual_out"]; returns the MoE input
+    (B, hidden) bf16, the routing ids (B, top_k) int32 and weights (B, top_k) fp32."""
     x, positions, cache = inputs["x"], inputs["positions"], inputs["kv_cache"]
     batch, eps = x.shape[0], c.rms_norm_eps
     plan = _plan(c, x, cache.shape[1])
@@ -467,12 +462,13 @@ def _attention_and_router(
     residuals = (x, inputs["residual"])
     norm = w["post_attention_layernorm"]
     add_rmsnorm(attn, residuals, norm, out["residual_out"], moe_in, eps, plan.norm_warps)
+    bias, scaling = w["e_score_correction_bias"], c.routed_scaling_factor
     logits = dense_gemv(moe_in, w["gate"], plan.router, plan)
-    router = Router(
-        logits, w["e_score_correction_bias"], c.top_k, c.norm_topk_prob,
-        c.routed_scaling_factor, plan.route_warps, plan.route_weights_in_loop,
+    ids, routing = route_experts(
+        logits, bias, c.top_k, c.norm_topk_prob, scaling,
+        plan.route_warps, plan.route_weights_in_loop,
     )  # fmt: skip
-    return moe_in, router
+    return moe_in, ids, routing
 
 
 def dense_gemv(

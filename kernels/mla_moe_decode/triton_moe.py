@@ -49,9 +49,6 @@
               its expert's gate_up items are in, so the gate_up's last items and the down's
               first run side by side rather than across a kernel boundary. The wait always
               ends: it is on items claimed earlier by running programs that wait on nothing.
-              With route_in_stream (routed_moe) the stream first routes the batch, one item
-              per token running route's code, then runs the shared expert's gate_up items,
-              which need no routing; a program past them waits until every token is routed.
 
 Tokens are never sorted. The gate_up gathers an expert's tokens into tiles of token_rows rows
 (a chunk; an expert with more tokens has several, whose items come one after another so that
@@ -110,22 +107,6 @@ class MoeBlocks:
     # > 0: the gate_up's and the down's items as one stream over at most this many programs,
     # one kernel (_moe_stream_kernel); the down's items as down_programs' with down_cols
     stream_programs: int = 0
-    # with stream_programs: the routing as the stream's first items (routed_moe), one kernel
-    # fewer; the shared expert's gate_up streams while the batch is routed
-    route_in_stream: bool = False
-
-
-@dataclass(frozen=True)
-class Router:
-    """What the routing reads: the router GEMV's split-K partial sums and the routing rule."""
-
-    parts: torch.Tensor  # (splits, B, E_total) fp32
-    bias: torch.Tensor  # (E_total,) fp32: e_score_correction_bias
-    top_k: int
-    normalize: bool
-    scaling: float
-    num_warps: int = 4  # the routing kernel's (route); the stream runs the MoE's
-    weights_in_loop: bool = False  # the routing kernel's first build (route)
 
 
 @triton.jit
@@ -154,34 +135,7 @@ def _route_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    _route_rows(
-        part_ptr, bias_ptr, ids_ptr, weights_ptr, tl.program_id(0) * ROWS, N_SPLITS,
-        split_stride, B, E_TOTAL, scaling, TOP_K, NORMALIZE, ROWS, BLOCK_E, BLOCK_K,
-        WEIGHTS_IN_LOOP,
-    )  # fmt: skip
-
-
-@triton.jit
-def _route_rows(
-    part_ptr,
-    bias_ptr,
-    ids_ptr,
-    weights_ptr,
-    first_row,
-    N_SPLITS: tl.constexpr,
-    split_stride,
-    B,
-    E_TOTAL,
-    scaling,
-    TOP_K: tl.constexpr,
-    NORMALIZE: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    WEIGHTS_IN_LOOP: tl.constexpr,
-):
-    """The routing of rows first_row .. first_row + ROWS - 1: their ids and weights."""
-    rows = first_row + tl.arange(0, ROWS)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < B
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < E_TOTAL
@@ -262,16 +216,13 @@ def route(
 
 
 @triton.jit
-def _routing_table(
-    ids_ptr, rows, row_mask, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr
-):
+def _routing_table(ids_ptr, rows, row_mask, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """(BLOCK_M, BLOCK_K) int32: each row's global expert ids, -1 in padding."""
     slots = tl.arange(0, BLOCK_K)
     return tl.load(
         ids_ptr + rows[:, None] * TOP_K + slots[None, :],
         mask=row_mask[:, None] & (slots < TOP_K)[None, :],
         other=-1,
-        cache_modifier=CACHE,
     )
 
 
@@ -295,15 +246,13 @@ def _chosen_local_experts(
     TOP_K: tl.constexpr,
     BLOCK_IDS: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    CACHE: tl.constexpr,
 ):
     """The local experts some token chose, from the routing table: (rank (2 BLOCK_E,) int32,
     indexed by local expert: each chosen expert's place in expert order from 0, -1 for the
     rest and for the bins past E; how many were chosen; counts (2 BLOCK_E,) int32: how many
     tokens chose each local expert, 0 past E)."""
     flat = tl.arange(0, BLOCK_IDS)  # (token, slot) pairs
-    local = tl.load(ids_ptr + flat, mask=flat < B * TOP_K, other=-1, cache_modifier=CACHE)
-    local -= expert_offset
+    local = tl.load(ids_ptr + flat, mask=flat < B * TOP_K, other=-1) - expert_offset
     # ids of other GPUs' experts and padding count in a bin past every local one
     local = tl.where((local >= 0) & (local < E), local, 2 * BLOCK_E - 1)
     experts = tl.arange(0, 2 * BLOCK_E)
@@ -436,11 +385,11 @@ def _gate_up_kernel(
     wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
-    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS, "")
+    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
     # (no `_` for the unused values: a name assigned before the item loop and again in it is
     # a loop-carried variable to Triton's compiler, which then wants one type for it)
     _rank, _n_chosen, counts = _chosen_local_experts(
-        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E, ""
+        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
     )
     # A tile is (expert, feature block, chunk of TOKENS of the expert's tokens), one item per
     # K split. The items run expert by expert, then feature block, chunk, split: the chunks of
@@ -670,9 +619,9 @@ def _down_kernel(
         mask=row_mask[:, None] & (slots < TOP_K)[None, :],
         other=0.0,
     )  # (BLOCK_M, BLOCK_K_SLOTS)
-    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS, "")  # read once
+    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)  # read once
     rank, n_chosen, _counts = _chosen_local_experts(
-        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E, ""
+        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
     )
     out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for n in range(0, n_chosen):  # in expert order, as the sum's order must not vary
@@ -779,9 +728,9 @@ def _down_items_kernel(
     wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
-    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS, "")
+    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
     _rank, _n_chosen, counts = _chosen_local_experts(
-        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E, ""
+        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
     )
     chunks = tl.cdiv(counts, TOKENS)  # (2 BLOCK_E,) tiles per expert, 0 for the unchosen
     expert_ends = tl.cumsum(chunks, axis=0)
@@ -841,7 +790,7 @@ def _down_item(
     DOT_F32: tl.constexpr,
     TOKENS: tl.constexpr,
     BLOCK_SLOTS: tl.constexpr,
-    ACT_CACHE: tl.constexpr,  # ".cg" where act (and maybe the routing) was written in this launch
+    ACT_CACHE: tl.constexpr,  # ".cg" where act was written in this launch
 ):
     """One down item (a tile of the shared or a chosen expert, a column block): its tokens'
     weighted rows into y at (token, slot); the column block's last item sums the slots into
@@ -851,10 +800,7 @@ def _down_item(
         BLOCK_M, TOKENS,
     )  # fmt: skip
     routing_weight = tl.load(
-        weights_ptr + token * TOP_K + token_slot,
-        mask=valid & (token_slot < TOP_K),
-        other=1.0,
-        cache_modifier=ACT_CACHE,
+        weights_ptr + token * TOP_K + token_slot, mask=valid & (token_slot < TOP_K), other=1.0
     )  # (TOKENS,): the shared expert's is 1
     inter = tl.where(is_shared, I_SHARED, INTER)
     w_base = tl.where(is_shared, shared_ptr, w2_ptr + expert.to(tl.int64) * D * INTER)
@@ -873,7 +819,7 @@ def _down_item(
     if arrived == n_tiles - 1:
         _sum_slots(
             y_ptr, ids_ptr, out_ptr, B, D, E, expert_offset, cols, col_mask, TOP_K, TOKENS,
-            BLOCK_SLOTS, ACT_CACHE,
+            BLOCK_SLOTS,
         )  # fmt: skip
         tl.atomic_xchg(counter_ptr + col_block, 0)
 
@@ -881,8 +827,8 @@ def _down_item(
 @triton.jit
 def _moe_stream_kernel(
     h_ptr,  # (B, D) bf16: post_attention_layernorm output
-    ids_ptr,  # (B, TOP_K) int32: read, or (ROUTE) written by the routing items
-    weights_ptr,  # (B, TOP_K) fp32: as ids_ptr
+    ids_ptr,  # (B, TOP_K) int32
+    weights_ptr,  # (B, TOP_K) fp32
     w13_ptr,  # (E, 2 INTER, D) bf16
     shared_gate_up_ptr,  # (2 I_S, D) bf16
     w2_ptr,  # (E, D, INTER) bf16
@@ -890,13 +836,8 @@ def _moe_stream_kernel(
     act_ptr,  # (B, TOP_K + 1, INTER) bf16 workspace: SiLU(gate) * up per (token, slot)
     y_ptr,  # (B, TOP_K + 1, D) fp32 workspace: each (token, slot)'s weighted down row
     out_ptr,  # (B, D) bf16 out
-    sync_ptr,  # (4 + E,) int32, zero between launches: claimed, done, routed, ready per expert
+    sync_ptr,  # (3 + E,) int32, zero between launches: items claimed, programs done, ready
     arrivals_ptr,  # (column blocks,) int32, zero between launches
-    router_ptr,  # (ROUTER_SPLITS, B, E_TOTAL) fp32 router partial sums (ROUTE only)
-    bias_ptr,  # (E_TOTAL,) fp32 e_score_correction_bias (ROUTE only)
-    router_split_stride,
-    E_TOTAL,
-    scaling,
     B,
     D,
     INTER,
@@ -916,11 +857,6 @@ def _moe_stream_kernel(
     SHARED_TILES: tl.constexpr,
     TOKENS: tl.constexpr,
     BLOCK_SLOTS: tl.constexpr,
-    ROUTE: tl.constexpr,  # the routing's items come first: route's kernel folded in
-    IDS_CACHE: tl.constexpr,  # ".cg" with ROUTE: the routing, written in this launch, from L2
-    ROUTER_SPLITS: tl.constexpr,
-    NORMALIZE: tl.constexpr,
-    BLOCK_E_TOTAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The whole MoE as one stream of work items: every gate_up item (as _gate_up_kernel's,
@@ -930,64 +866,50 @@ def _moe_stream_kernel(
     until the expert's gate_up items are done (a ready counter per expert, slot 0 the shared
     expert's); those items were claimed earlier by programs that are running and wait on
     nothing, so the wait always ends, whatever the grid and however many programs are
-    resident. The last program to finish puts the counters back to zero.
-    ROUTE: the stream starts with the routing, one item per token (as route's kernel), then
-    the shared expert's gate_up items, which need no routing: the shared expert streams its
-    weights while the batch is routed. A program past those items waits until every routing
-    item is in, then reads the routing table, as without ROUTE; the routing items wait on
-    nothing, so this wait ends too."""
+    resident. The last program to finish puts the counters back to zero."""
     wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < B
+    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS)
+    _rank, _n_chosen, counts = _chosen_local_experts(
+        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E
+    )
     bins = tl.arange(0, 2 * BLOCK_E)
+    chunks = tl.cdiv(counts, TOKENS)  # (2 BLOCK_E,) token tiles per expert, 0 if unchosen
     blocks_per_expert = tl.cdiv(INTER, BLOCK_I)
+    expert_items = chunks * blocks_per_expert  # gate_up items per expert
     shared_chunks = tl.cdiv(B, TOKENS)
     shared_items = SHARED_TILES * shared_chunks
-    routed_ptr = sync_ptr + 2
-    ready_ptr = sync_ptr + 3
-    item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-    if ROUTE:
-        no_experts = tl.zeros((2 * BLOCK_E,), dtype=tl.int32)
-        no_table = tl.full((BLOCK_M, BLOCK_K_SLOTS), -1, tl.int32)
-        while item < B + shared_items:
-            if item < B:
-                _route_rows(
-                    router_ptr, bias_ptr, ids_ptr, weights_ptr, item, ROUTER_SPLITS,
-                    router_split_stride, B, E_TOTAL, scaling, TOP_K, NORMALIZE, 1,
-                    BLOCK_E_TOTAL, BLOCK_K_SLOTS, False,
-                )  # fmt: skip
-                tl.debug_barrier()  # every thread's store issued before the release below
-                tl.atomic_add(routed_ptr, 1, sem="release")
-            else:
-                _stream_gate_up_item(
-                    item - B, shared_items, shared_chunks, no_experts, no_experts, no_table,
-                    row_mask, h_ptr, w13_ptr, shared_gate_up_ptr, act_ptr, ready_ptr, D, INTER,
-                    I_SHARED, expert_offset, TOP_K, BLOCK_K_SLOTS, BLOCK_M, BLOCK_I,
-                    GATE_UP_K, DOT_F32, BLOCK_E, TOKENS,
-                )  # fmt: skip
-            item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-        routed = tl.atomic_add(routed_ptr, 0, sem="acquire")
-        while routed < B:
-            routed = tl.atomic_add(routed_ptr, 0, sem="acquire")
-        item -= B  # numbered from here on as without ROUTE: past the shared expert's items
-    table = _routing_table(ids_ptr, rows, row_mask, TOP_K, BLOCK_K_SLOTS, IDS_CACHE)
-    _rank, _n_chosen, counts = _chosen_local_experts(
-        ids_ptr, B, E, expert_offset, TOP_K, BLOCK_IDS, BLOCK_E, IDS_CACHE
-    )
-    chunks = tl.cdiv(counts, TOKENS)  # (2 BLOCK_E,) token tiles per expert, 0 if unchosen
-    expert_items = chunks * blocks_per_expert  # gate_up items per expert
     gate_up_items = shared_items + tl.sum(expert_items, axis=0)
     n_tiles = shared_chunks + tl.sum(chunks, axis=0)
     column_blocks = tl.cdiv(D, BLOCK_N)
     n_items = gate_up_items + n_tiles * column_blocks
+    ready_ptr = sync_ptr + 2
+    item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     while item < n_items:
         if item < gate_up_items:
-            _stream_gate_up_item(
-                item, shared_items, shared_chunks, expert_items, chunks, table, row_mask, h_ptr,
-                w13_ptr, shared_gate_up_ptr, act_ptr, ready_ptr, D, INTER, I_SHARED,
-                expert_offset, TOP_K, BLOCK_K_SLOTS, BLOCK_M, BLOCK_I, GATE_UP_K, DOT_F32,
-                BLOCK_E, TOKENS,
+            is_shared, expert, col_block, chunk, _split, _in_part, _n_splits = _gate_up_item_at(
+                item, shared_items, shared_chunks, tl.cumsum(expert_items, axis=0),
+                expert_items, chunks, 1, 1, BLOCK_E,
             )  # fmt: skip
+            token, token_slot, valid = _tile_tokens(
+                table, row_mask, is_shared, expert + expert_offset, chunk, TOP_K,
+                BLOCK_K_SLOTS, BLOCK_M, TOKENS,
+            )  # fmt: skip
+            inter = tl.where(is_shared, I_SHARED, INTER)
+            w_base = tl.where(
+                is_shared, shared_gate_up_ptr, w13_ptr + expert.to(tl.int64) * 2 * INTER * D
+            )
+            acc = _gate_up_tile(
+                h_ptr, token, valid, w_base, inter, col_block, D, 0, D, TOKENS, BLOCK_I,
+                GATE_UP_K, DOT_F32,
+            )  # fmt: skip
+            _store_act(
+                acc, act_ptr, token, token_slot, valid, col_block, inter, INTER, TOP_K, TOKENS,
+                BLOCK_I,
+            )  # fmt: skip
+            tl.debug_barrier()  # every thread's store issued before the release below
+            tl.atomic_add(ready_ptr + tl.where(is_shared, 0, 1 + expert), 1, sem="release")
         else:
             tile = (item - gate_up_items) // column_blocks
             is_shared, expert, chunk = _down_tile_at(
@@ -1006,65 +928,11 @@ def _moe_stream_kernel(
                 BLOCK_K_SLOTS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, TOKENS, BLOCK_SLOTS, ".cg",
             )  # fmt: skip
         item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-        if ROUTE:
-            item -= B
     finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
     if finished == tl.num_programs(0) - 1:  # every other program is past its last item
         tl.store(ready_ptr + bins, tl.zeros_like(bins), mask=bins <= E)
         tl.atomic_xchg(sync_ptr, 0)
         tl.atomic_xchg(sync_ptr + 1, 0)
-        tl.atomic_xchg(routed_ptr, 0)
-
-
-@triton.jit
-def _stream_gate_up_item(
-    item,
-    shared_items,
-    shared_chunks,
-    expert_items,
-    chunks,
-    table,
-    row_mask,
-    h_ptr,
-    w13_ptr,
-    shared_gate_up_ptr,
-    act_ptr,
-    ready_ptr,
-    D,
-    INTER,
-    I_SHARED,
-    expert_offset,
-    TOP_K: tl.constexpr,
-    BLOCK_K_SLOTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    GATE_UP_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    TOKENS: tl.constexpr,
-):
-    """One gate_up item of the stream (whole, unsplit), then its count on its expert's ready
-    counter (slot 0 the shared expert's). The shared expert's items read neither the table
-    nor the experts' counts."""
-    is_shared, expert, col_block, chunk, _split, _in_part, _n_splits = _gate_up_item_at(
-        item, shared_items, shared_chunks, tl.cumsum(expert_items, axis=0), expert_items,
-        chunks, 1, 1, BLOCK_E,
-    )  # fmt: skip
-    token, token_slot, valid = _tile_tokens(
-        table, row_mask, is_shared, expert + expert_offset, chunk, TOP_K, BLOCK_K_SLOTS,
-        BLOCK_M, TOKENS,
-    )  # fmt: skip
-    inter = tl.where(is_shared, I_SHARED, INTER)
-    w_base = tl.where(is_shared, shared_gate_up_ptr, w13_ptr + expert.to(tl.int64) * 2 * INTER * D)
-    acc = _gate_up_tile(
-        h_ptr, token, valid, w_base, inter, col_block, D, 0, D, TOKENS, BLOCK_I, GATE_UP_K,
-        DOT_F32,
-    )  # fmt: skip
-    _store_act(
-        acc, act_ptr, token, token_slot, valid, col_block, inter, INTER, TOP_K, TOKENS, BLOCK_I
-    )
-    tl.debug_barrier()  # every thread's store issued before the release below
-    tl.atomic_add(ready_ptr + tl.where(is_shared, 0, 1 + expert), 1, sem="release")
 
 
 @triton.jit
@@ -1081,7 +949,6 @@ def _sum_slots(
     TOP_K: tl.constexpr,
     TOKENS: tl.constexpr,
     BLOCK_SLOTS: tl.constexpr,
-    IDS_CACHE: tl.constexpr,
 ):
     """out[:, cols] = each token's y rows of its local experts' slots and the shared slot,
     summed (in one fixed order) and rounded once, TOKENS rows at a time. Reads y from L2 (.cg),
@@ -1094,7 +961,6 @@ def _sum_slots(
             ids_ptr + rows[:, None] * TOP_K + slots[None, :],
             mask=row_mask[:, None] & (slots < TOP_K)[None, :],
             other=-1,
-            cache_modifier=IDS_CACHE,
         ) - expert_offset  # fmt: skip
         written = ((local >= 0) & (local < E)) | (slots == TOP_K)[None, :]
         written = written & row_mask[:, None]  # (TOKENS, BLOCK_SLOTS): the y rows stored
@@ -1180,50 +1046,6 @@ def fused_moe(
         return
     act = moe_gate_up(h, ids, w13, shared_gate_up, expert_offset, blocks)
     moe_down(act, ids, routing_weights, w2, shared_down, out, expert_offset, blocks)
-
-
-def routed_moe(
-    h: torch.Tensor,
-    router: Router,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared_gate_up: torch.Tensor,
-    shared_down: torch.Tensor,
-    out: torch.Tensor,
-    expert_offset: int,
-    blocks: MoeBlocks,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """route, then fused_moe: -> the routing (ids (B, top_k) int32 global, weights (B, top_k)
-    fp32). With blocks.route_in_stream the one-kernel MoE routes the batch itself (its first
-    items run route's code), one launch instead of two."""
-    if not blocks.route_in_stream:
-        ids, weights = route(
-            router.parts, router.bias, router.top_k, router.normalize, router.scaling,
-            router.num_warps, router.weights_in_loop,
-        )  # fmt: skip
-        fused_moe(h, ids, weights, w13, w2, shared_gate_up, shared_down, out, expert_offset,
-                  blocks)  # fmt: skip
-        return ids, weights
-    if blocks.stream_programs <= 0:
-        raise ValueError("routed_moe: route_in_stream needs the one-kernel MoE (stream_programs)")
-    if router.weights_in_loop:
-        raise ValueError("routed_moe: the stream routes with the weights after the top-k loop")
-    _check_router(router, h.shape[0])
-    batch = h.shape[0]
-    ids = torch.empty(batch, router.top_k, device=h.device, dtype=torch.int32)
-    weights = torch.empty(batch, router.top_k, device=h.device, dtype=torch.float32)
-    _moe_stream(h, ids, weights, w13, w2, shared_gate_up, shared_down, out, expert_offset,
-                blocks, router)  # fmt: skip
-    return ids, weights
-
-
-def _check_router(router: Router, batch: int) -> None:
-    _, rows, n = router.parts.shape
-    if (rows, n) != (batch, router.bias.shape[0]):
-        raise ValueError(
-            f"routed_moe: router sums of {rows} rows x {n} experts for a batch of {batch} and "
-            f"{router.bias.shape[0]} experts"
-        )
 
 
 def moe_gate_up(
@@ -1395,10 +1217,8 @@ def _moe_stream(
     out: torch.Tensor,
     expert_offset: int,
     blocks: MoeBlocks,
-    router: Router | None = None,
 ) -> None:
-    """fused_moe as one kernel (blocks.stream_programs > 0): _moe_stream_kernel. With a router
-    the kernel first routes the batch into ids and routing_weights (routed_moe)."""
+    """fused_moe as one kernel (blocks.stream_programs > 0): _moe_stream_kernel."""
     batch, hidden = h.shape
     experts, inter2, _ = w13.shape
     inter, shared_inter = inter2 // 2, shared_gate_up.shape[0] // 2
@@ -1416,12 +1236,8 @@ def _moe_stream(
     )  # fmt: skip
     _, down_tiles, _ = gate_up_bounds(batch, top_k, experts, tokens, 1, 1, 1, 1)
     column_blocks = triton.cdiv(hidden, blocks.down_cols)
-    route_items = batch if router is not None else 0
-    items = route_items + gate_up_items + down_tiles * column_blocks
-    programs = min(items, blocks.stream_programs)
-    sync = split_counters(h.device, 4 + experts + column_blocks)
-    parts = router.parts if router is not None else h  # unread without a router
-    bias = router.bias if router is not None else h
+    programs = min(gate_up_items + down_tiles * column_blocks, blocks.stream_programs)
+    sync = split_counters(h.device, 3 + experts + column_blocks)
     _moe_stream_kernel[(programs,)](
         h,
         ids,
@@ -1434,12 +1250,7 @@ def _moe_stream(
         y,
         out,
         sync,
-        sync[4 + experts :],
-        parts,
-        bias,
-        parts.stride(0),
-        bias.shape[0],
-        router.scaling if router is not None else 1.0,
+        sync[3 + experts :],
         batch,
         hidden,
         inter,
@@ -1453,11 +1264,6 @@ def _moe_stream(
         SHARED_TILES=shared_blocks,
         TOKENS=tokens,
         BLOCK_SLOTS=triton.next_power_of_2(top_k + 1),
-        ROUTE=router is not None,
-        IDS_CACHE=".cg" if router is not None else "",
-        ROUTER_SPLITS=parts.shape[0] if router is not None else 1,
-        NORMALIZE=router is not None and router.normalize,
-        BLOCK_E_TOTAL=triton.next_power_of_2(bias.shape[0]) if router is not None else 1,
         **_common_meta(h, ids, experts, blocks),
         **pdl_options(h.device),
     )

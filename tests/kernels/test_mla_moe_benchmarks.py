@@ -193,8 +193,8 @@ def test_moe_plan_sweep_times_the_earlier_moe_plan_against_the_plan(tmp_path: Pa
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_the_moe_plans_the_sweep_compares(batch: int) -> None:
     """What --sweep-moe-plan compares against: the H200 plan's MoE as it was in runs 19, 18 and
-    before the seventeenth session, the one-kernel MoE's down 32 columns wide and its routing
-    in the stream or not; the rest of the plan as it is."""
+    before the seventeenth session, and the one-kernel MoE's down 32 columns wide; the rest of
+    the plan as it is."""
     plan = fused.layer_plan(LayerConfig(), batch, 1024, True, 132)
     changed = {name: change(plan, batch=batch) for name, change in MOE_PLAN_VARIANTS.items()}
     assert all(dataclasses.replace(p, moe=plan.moe) == plan for p in changed.values())
@@ -211,10 +211,6 @@ def test_the_moe_plans_the_sweep_compares(batch: int) -> None:
         1,
     )
     assert changed["stream, down 32 columns"].moe == dataclasses.replace(moe, down_cols=32)
-    # the routing in the stream, or as its own kernel (whichever the plan does not, the other
-    # no change)
-    for name, in_stream in (("routing in the stream", True), ("routing kernel", False)):
-        assert changed[name].moe == dataclasses.replace(moe, route_in_stream=in_stream)
     # run 19's: two kernels, the down as items (32 columns, 4 per SM), the cap at batch 5-8
     run19 = changed["run 19"].moe
     cap = 264 if batch <= 8 else 0

@@ -845,70 +845,6 @@ def test_the_moe_as_one_stream_refuses_split_items() -> None:
         fused_moe(h, ids, torch.ones(2, c.top_k), *experts, torch.empty_like(h), 0, blocks)
 
 
-@pytest.mark.parametrize(("batch", "programs"), [(1, 7), (5, 1), (20, 7)])
-def test_the_stream_routes_the_batch_as_the_routing_kernel_does(batch: int, programs: int) -> None:
-    """route_in_stream: the one-kernel MoE's first items run route's code (one token each),
-    the shared expert's gate_up items next, and every later item waits for the routing. The
-    same ids, weights and output bits as route's kernel and then the stream, the counters
-    (the routing's among them) back at zero, and the same bits on a second launch. The plan's
-    item widths (32 features, 64 columns) make several of each kind, and at batch 20 two
-    token tiles per expert and two shared items. The router sums are
-    scaled so that the batch chooses local experts (rank 2's ids 16..23) and other GPUs'."""
-    c, gen = LAYER, torch.Generator().manual_seed(batch)
-    h = torch.randn(batch, c.hidden, generator=gen).to(BF16)
-    experts = _expert_tuple(_expert_weights(c, gen))
-    parts = torch.randn(3, batch, c.experts_total, generator=gen) / 2
-    parts[:, :, 16:24] += 0.3  # this rank's experts a little likelier
-    router = triton_moe.Router(
-        parts, torch.randn(c.experts_total, generator=gen) / 100, c.top_k, c.norm_topk_prob,
-        c.routed_scaling_factor,
-    )  # fmt: skip
-    blocks = MoeBlocks(
-        16 if batch <= 16 else 32, 32, 128, 64, 64, 4, 1, token_rows=16, stream_programs=programs
-    )
-    ids, weights = route(parts, router.bias, c.top_k, c.norm_topk_prob, c.routed_scaling_factor)
-    local = (ids - c.expert_offset).flatten()
-    on_this_gpu = (local >= 0) & (local < c.experts)
-    assert on_this_gpu.any() and not on_this_gpu.all()
-    expected = torch.empty_like(h)
-    fused_moe(h, ids, weights, *experts, expected, c.expert_offset, blocks)
-    in_stream = dataclasses.replace(blocks, route_in_stream=True)
-    for _ in range(2):
-        out = torch.empty_like(h)
-        got_ids, got_weights = triton_moe.routed_moe(
-            h, router, *experts, out, c.expert_offset, in_stream
-        )
-        assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
-        assert torch.equal(out, expected)
-        assert not triton_moe._counters[CPU].any()
-
-
-def test_routing_in_the_stream_refuses_what_it_cannot_run() -> None:
-    """Routing in the stream needs the one-kernel MoE, route's order of the weights and router
-    sums of the batch's rows and the bias's experts: each refused on the host, plainly."""
-    c, gen = LAYER, torch.Generator().manual_seed(3)
-    h = torch.randn(2, c.hidden, generator=gen).to(BF16)
-    experts = _expert_tuple(_expert_weights(c, gen))
-    parts = torch.randn(1, 2, c.experts_total, generator=gen)
-    router = triton_moe.Router(parts, torch.zeros(c.experts_total), c.top_k, True, 1.0)
-    stream = MoeBlocks(16, 16, 128, 16, 64, 4, 1, stream_programs=3, route_in_stream=True)
-    refused = {
-        "needs the one-kernel MoE": (router, dataclasses.replace(stream, stream_programs=0)),
-        "weights after the top-k loop": (dataclasses.replace(router, weights_in_loop=True), stream),
-        "2 rows x 7 experts for a batch of 2 and 64": (
-            dataclasses.replace(router, parts=parts[..., :7]),
-            stream,
-        ),
-    }
-    for message, (bad_router, blocks) in refused.items():
-        with pytest.raises(ValueError, match=message):
-            triton_moe.routed_moe(h, bad_router, *experts, torch.empty_like(h), 0, blocks)
-
-
-def _expert_tuple(w: Tensors) -> tuple[torch.Tensor, ...]:
-    return (w["experts_w13"], w["experts_w2"], w["shared_gate_up"], w["shared_down"])
-
-
 def test_gate_up_bounds_hold_the_items_of_every_routing() -> None:
     """The grid, split workspace and counters are sized by gate_up_bounds on the host, before
     the routing exists; the kernel indexes items and tiles from the counts it finds. For every
@@ -1246,41 +1182,6 @@ def _random_routing(
         ids[0, 0] = c.expert_offset + 5
     routing = torch.rand(len(h), c.top_k, generator=gen, device="cuda") / 4
     return ids, routing
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("batch", "per_sm"), [(5, 2), (8, 2), (8, 3), (64, 2)])
-def test_the_stream_routing_the_real_shard_gives_the_routing_kernels_bits_on_every_replay(
-    batch: int, per_sm: int
-) -> None:
-    """route_in_stream on the GPU, where the routing items, the shared expert's items and the
-    programs waiting for the routing really run at once: the same ids, weights and output bits
-    as route's kernel followed by the stream, on every graph replay, with every counter (the
-    routing's among them) back at zero. Router sums of the real shape (28 splits x 384)."""
-    c, gen, h, weights, experts = _real_shard_moe(batch)
-    parts = torch.randn(28, batch, c.experts_total, generator=gen, device="cuda") / 8
-    bias = torch.randn(c.experts_total, generator=gen, device="cuda") / 100
-    router = triton_moe.Router(parts, bias, c.top_k, c.norm_topk_prob, c.routed_scaling_factor)
-    stream = dataclasses.replace(fused._moe_blocks(batch, True, 132), stream_programs=per_sm * 132)
-    ids, routing = route(parts, bias, c.top_k, c.norm_topk_prob, c.routed_scaling_factor)
-    expected = torch.empty_like(h)
-    fused_moe(h, ids, routing, *experts, expected, c.expert_offset, stream)
-    in_stream = dataclasses.replace(stream, route_in_stream=True)
-    out = torch.empty_like(h)
-    triton_moe.routed_moe(h, router, *experts, out, c.expert_offset, in_stream)  # counters made
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = triton_moe.routed_moe(h, router, *experts, out, c.expert_offset, in_stream)
-    for _ in range(4):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got[0], ids) and torch.equal(got[1], routing)
-        assert torch.equal(out, expected)
-        assert not triton_moe._counters[h.device].any()
-    local = (ids - c.expert_offset).flatten()
-    assert ((local >= 0) & (local < c.experts)).any()  # some of this shard's experts ran
-    assert _relative(out, _shard_moe_reference(c, weights, h, ids, routing)) < 0.01
 
 
 @pytest.mark.gpu

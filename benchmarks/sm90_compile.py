@@ -12,7 +12,7 @@ arguments, constexprs, warps and stages, and reads the cubin's resources: regist
 Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compiler needs):
 
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
-        [--moe plan|run18|run19] [--gemv plan|triton|cute] [--fold-latent-prep]
+        [--moe plan|run18|run19] [--gemv plan|triton|cute] [--fold-latent-prep] [--absorb-q]
         [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
@@ -302,6 +302,7 @@ def compile_layer(
     ptx_dir: Path | None = None,
     gemv: str = "plan",
     fold_latent_prep: bool = False,
+    absorb_q: bool = False,
 ) -> list[Compiled]:
     plan = fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS)
     if moe in ("run18", "run19"):
@@ -309,7 +310,7 @@ def compile_layer(
 
         plan = (run18_moe_plan if moe == "run18" else run19_moe_plan)(plan, batch)
     gemv_cute = plan.gemv_cute if gemv == "plan" else gemv == "cute"
-    plan = replace(plan, gemv_cute=gemv_cute, fold_latent_prep=fold_latent_prep)
+    plan = replace(plan, gemv_cute=gemv_cute, fold_latent_prep=fold_latent_prep, absorb_q=absorb_q)
     launches = layer_launches(batch, context, plan)
     case_dir = ptx_dir and ptx_dir / f"{batch}x{context}"
     return [
@@ -353,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         help="kernels 3 and 4 as one launch (LayerPlan.fold_latent_prep): 13 kernels",
     )
     parser.add_argument(
+        "--absorb-q",
+        action="store_true",
+        help="kernels 4 and 5 as one GEMV over the absorbed query weight (LayerPlan.absorb_q)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/sm90_compile.json")
     )
     parser.add_argument(
@@ -372,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches
         for context in args.contexts
         for row in compile_layer(
-            batch, context, args.moe, args.ptx, args.gemv, args.fold_latent_prep
+            batch, context, args.moe, args.ptx, args.gemv, args.fold_latent_prep, args.absorb_q
         )
     ]
     print_table(rows)
@@ -381,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         "moe": args.moe,
         "gemv": args.gemv,
         "fold_latent_prep": args.fold_latent_prep,
+        "absorb_q": args.absorb_q,
         "triton": triton.__version__,
         "torch": torch.__version__,
         "launches": [asdict(row) for row in rows],

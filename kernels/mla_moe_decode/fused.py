@@ -62,6 +62,8 @@ from kernels.mla_moe_decode import cute_gemv, cute_kernels, stock
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.triton_attention import (
     AttentionBlocks,
+    UnfinishedQuery,
+    absorbed_q_weights,
     latent_prep,
     mla_attention,
     mla_attention_cp,
@@ -69,7 +71,7 @@ from kernels.mla_moe_decode.triton_attention import (
     q_b_folded,
     w_uv,
 )
-from kernels.mla_moe_decode.triton_common import on_gpu
+from kernels.mla_moe_decode.triton_common import k_splits, on_gpu
 from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe
 from kernels.mla_moe_decode.triton_moe import route as route_experts
@@ -240,6 +242,12 @@ class LayerPlan:
     # by q_absorb), 13 kernels per layer. Off: 2-15% slower per layer on the H200
     # (`--sweep-small-kernels`, "latent_prep folded into q_b", 2026-12-05)
     fold_latent_prep: bool = False
+    # kernels 4 and 5 as one GEMV over the absorbed query weight (W_UK folded into q_b_proj,
+    # triton_attention.absorbed_q_weights), its sums finished (RoPE, rounding) by the split
+    # attention kernel: one kernel fewer, 8.5 MB more weight read. Single-GPU only (the decode-CP
+    # path keeps q_absorb)
+    absorb_q: bool = False
+    q_lat: GemvBlocks | None = None  # the absorbed GEMV's tiles: one K split (absorb_q only)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -260,7 +268,23 @@ def layer_plan(
         # The CuTe DSL GEMVs took 0.991-0.999 of the Triton ones' layer time at batch 1 and 8
         # and 1.007-1.011 at batch 64 (H200, 2026-12-05, docs/runs/2026-12-05-small-kernels/)
         gemv_cute=on_gpu and batch <= 8,
+        q_lat=q_lat_blocks(c, batch, on_gpu),
     )
+
+
+def q_lat_blocks(c: LayerConfig, batch: int, on_gpu: bool) -> GemvBlocks:
+    """The absorbed query GEMV's tiles (absorb_q): the whole K in one split, since the split
+    attention kernel, which finishes its sums, would otherwise add every split in each of its
+    programs; 32 columns per program so that the grid stays wide (144 programs of 98 KB on the
+    real shard). The Triton GEMV (the CuTe DSL one takes 64-column tiles only)."""
+    n, k = c.heads * c.latent_dim, c.q_lora_rank
+    block_m = max(16, triton.next_power_of_2(batch))
+    if on_gpu:
+        block_n, block_k, stages = 32, 128 if batch <= 16 else 64, 4
+    else:
+        block_n, block_k, stages = min(64, triton.next_power_of_2(n)), 64, 1
+    k_per_split, splits = k_splits(k, 1, block_k)
+    return GemvBlocks(block_m, block_n, block_k, k_per_split, splits, 4, stages)
 
 
 def gemv_shapes(c: LayerConfig) -> dict[str, tuple[int, int]]:
@@ -437,7 +461,17 @@ def _attention_and_routing(
     qkv_a = dense_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a, plan)
     norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
     deferred = None
-    if plan.fold_latent_prep:
+    q_lat = x.new_empty(batch, c.heads, c.latent_dim)
+    nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
+    unfinished = None
+    if plan.absorb_q and cp_group() is None:
+        q_c = x.new_empty(batch, c.q_lora_rank)
+        latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
+        absorbed = absorbed_q_weights(w["q_b_proj"], w["kv_b_proj"], c.heads, nope, v_dim)
+        assert plan.q_lat is not None
+        # the Triton GEMV: the tiles are 32 columns wide (q_lat_blocks)
+        unfinished = UnfinishedQuery(splitk_gemv(q_c, absorbed, plan.q_lat), positions, turns)
+    elif plan.fold_latent_prep:
         q, deferred = q_b_folded(
             qkv_a, *norms, positions, turns, w["q_b_proj"], out["kv_new"], eps, plan.q_b
         )
@@ -445,14 +479,13 @@ def _attention_and_routing(
         q_c = x.new_empty(batch, c.q_lora_rank)
         latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
         q = dense_gemv(q_c, w["q_b_proj"], plan.q_b, plan)
-    q_lat = x.new_empty(batch, c.heads, c.latent_dim)
-    nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
-    q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention, deferred)
+    if unfinished is None:
+        q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention, deferred)
     o_lat = x.new_empty(batch, c.heads, c.kv_lora_rank)
     scale = c.qk_head_dim**-0.5  # the stock softmax scale (YaRN's mscale left out, as there)
     group = cp_group()
     if group is None:
-        mla_attention(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention)
+        mla_attention(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, unfinished)
     else:  # decode CP: `cache` is this rank's slice; the ranks' partials merge exactly
         mla_attention_cp(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, group)
     o = x.new_empty(batch, c.heads * v_dim)

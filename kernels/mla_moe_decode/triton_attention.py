@@ -25,7 +25,9 @@ log2(e) folded into the scale. RoPE angles are reduced in fp64 (triton_common.ro
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -478,7 +480,7 @@ def q_absorb(
 
 @triton.jit
 def _mla_split_kernel(
-    q_lat_ptr,  # (B, H, L + R) bf16
+    q_lat_ptr,  # (B, H, L + R) bf16; FINISH_Q: out, written by each token's split 0
     cache_ptr,  # (B, T, L + R) bf16
     max_ptr,  # (B, S, H) fp32 out: running max of the scaled log2 scores
     sum_ptr,  # (B, S, H) fp32 out: sum of exp2(score - max)
@@ -496,6 +498,10 @@ def _mla_split_kernel(
     DOT_F32: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr,
     PDL: tl.constexpr,
+    q_sums_ptr,  # FINISH_Q: (B, H, L + R) fp32, the absorbed query GEMV's sums
+    positions_ptr,  # FINISH_Q: (B,) int64
+    turns_ptr,  # FINISH_Q: (R/2,) fp64
+    FINISH_Q: tl.constexpr,  # q_lat from q_sums: RoPE on the last R, rounded, as q_absorb's
 ):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
@@ -509,8 +515,18 @@ def _mla_split_kernel(
     rs = tl.arange(0, BLOCK_R)
     r_mask = rs < R
     q_row = q_lat_ptr + row * H * width + heads[:, None] * width  # (BLOCK_H, 1)
-    q_latent = tl.load(q_row + ls[None, :], mask=head_mask[:, None] & l_mask[None, :], other=0.0)
-    q_rope = tl.load(q_row + L + rs[None, :], mask=head_mask[:, None] & r_mask[None, :], other=0.0)
+    if FINISH_Q:
+        q_latent, q_rope = _finished_query(
+            q_sums_ptr, positions_ptr, turns_ptr, q_row, row, heads, head_mask, ls, l_mask, H,
+            L, R, split == 0, BLOCK_H, BLOCK_R,
+        )  # fmt: skip
+    else:
+        q_latent = tl.load(
+            q_row + ls[None, :], mask=head_mask[:, None] & l_mask[None, :], other=0.0
+        )
+        q_rope = tl.load(
+            q_row + L + rs[None, :], mask=head_mask[:, None] & r_mask[None, :], other=0.0
+        )
     cache_row = cache_ptr + row.to(tl.int64) * T * width
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, T)
@@ -552,6 +568,48 @@ def _mla_split_kernel(
     tl.store(sum_ptr + stat_at, running_sum, mask=head_mask)
     acc_at = acc_ptr + stat_at[:, None] * L + ls[None, :]
     tl.store(acc_at, acc, mask=head_mask[:, None] & l_mask[None, :])
+
+
+@triton.jit
+def _finished_query(
+    q_sums_ptr,
+    positions_ptr,
+    turns_ptr,
+    q_row,  # (BLOCK_H, 1) pointers to each head's q_lat row
+    row,
+    heads,
+    head_mask,
+    ls,
+    l_mask,
+    H,
+    L,
+    R,
+    store,  # this program writes q_lat (one per token: the combine reads it)
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The query from the absorbed GEMV's fp32 sums (absorbed_q_weight): the latent part
+    rounded, the rope part rotated and rounded, as q_absorb stores them: (q_latent (BLOCK_H,
+    BLOCK_L), q_rope (BLOCK_H, BLOCK_R)) bf16, the rope part interleaved as in the cache."""
+    width = L + R
+    sums_row = q_sums_ptr + row * H * width + heads[:, None] * width  # (BLOCK_H, 1)
+    latent_mask = head_mask[:, None] & l_mask[None, :]
+    q_latent = round_bf16(tl.load(sums_row + ls[None, :], mask=latent_mask, other=0.0))
+    pairs = tl.arange(0, BLOCK_R // 2)
+    pair_mask = head_mask[:, None] & (pairs < R // 2)[None, :]
+    even_at = sums_row + L + 2 * pairs[None, :]
+    even = tl.load(even_at, mask=pair_mask, other=0.0)
+    odd = tl.load(even_at + 1, mask=pair_mask, other=0.0)
+    position = tl.load(positions_ptr + row).to(tl.float64)
+    freqs = tl.load(turns_ptr + pairs, mask=pairs < R // 2, other=0.0)
+    even, odd = rotate_pairs(even, odd, position * freqs[None, :])
+    even, odd = round_bf16(even), round_bf16(odd)
+    if store:
+        tl.store(q_row + ls[None, :], q_latent, mask=latent_mask)
+        tl.store(q_row + L + 2 * pairs[None, :], even, mask=pair_mask)
+        tl.store(q_row + L + 2 * pairs[None, :] + 1, odd, mask=pair_mask)
+    q_rope = tl.reshape(tl.join(even, odd), (BLOCK_H, BLOCK_R))  # [e0, o0, e1, o1, ...]
+    return q_latent, q_rope
 
 
 @triton.jit
@@ -636,6 +694,16 @@ def _mla_combine_kernel(
             tl.store(merged_sum_ptr + merged_at, total, mask=head_mask)
 
 
+@dataclass(frozen=True)
+class UnfinishedQuery:
+    """The query as the absorbed GEMV leaves it (absorbed_q_weight): fp32 sums, the rope part
+    not yet rotated. The split kernel finishes it into q_lat as q_absorb would have."""
+
+    sums: torch.Tensor  # (1, B, H * (L + R)) fp32: the GEMV's one split
+    positions: torch.Tensor  # (B,) int64
+    turns: torch.Tensor  # (R/2,) fp64: rope_turns
+
+
 def mla_attention(
     q_lat: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -643,11 +711,58 @@ def mla_attention(
     o_lat: torch.Tensor,
     scale: float,
     blocks: AttentionBlocks,
+    unfinished: UnfinishedQuery | None = None,
 ) -> None:
     """q_lat (B, H, L+R), kv_cache (B, T, L+R), kv_new (B, L+R) bf16 -> o_lat (B, H, L) bf16:
-    softmax(q . [cache; new] * scale) @ [cache; new][:, :L], the split kernel then the combine."""
-    stats, partial = _split_partials(q_lat, kv_cache, o_lat.shape[2], scale, blocks)
+    softmax(q . [cache; new] * scale) @ [cache; new][:, :L], the split kernel then the combine.
+    With `unfinished` the split kernel first finishes q_lat from it (and writes it)."""
+    stats, partial = _split_partials(q_lat, kv_cache, o_lat.shape[2], scale, blocks, unfinished)
     _combine(stats, partial, q_lat, kv_new, o_lat, None, scale, blocks)
+
+
+def absorbed_q_weight(
+    q_b_proj: torch.Tensor, kv_b_proj: torch.Tensor, heads: int, nope: int, v_dim: int
+) -> torch.Tensor:
+    """q_b_proj (H (N + R), Q) and kv_b_proj (H (N + V), L) -> (H (L + R), Q) bf16: per head
+    W_UK^T @ W_q_nope (L rows, multiplied in fp32 and rounded once), then the head's q_pe
+    rows as they are. q_c @ it.T is q_lat before RoPE: q_b_proj and q_absorb's W_UK product as
+    one GEMV over a weight 2.9 times q_b_proj's size (vLLM's MLA once did the same,
+    VLLM_MLA_PERFORM_MATRIX_ABSORPTION). The cached result (absorbed_q_weights) is what the
+    layer reads."""
+    q_lora = q_b_proj.shape[1]
+    lora = kv_b_proj.shape[1]
+    q_b = q_b_proj.view(heads, -1, q_lora).float()  # (H, N + R, Q)
+    w_uk = kv_b_proj.view(heads, nope + v_dim, lora)[:, :nope].float()  # (H, N, L)
+    latent = torch.einsum("hnl,hnq->hlq", w_uk, q_b[:, :nope])  # (H, L, Q)
+    return torch.cat([latent, q_b[:, nope:]], dim=1).to(q_b_proj.dtype).reshape(-1, q_lora)
+
+
+_absorbed: dict[tuple[int, int], tuple[Any, Any, tuple[int, int], torch.Tensor]] = {}
+
+
+def absorbed_q_weights(
+    q_b_proj: torch.Tensor, kv_b_proj: torch.Tensor, heads: int, nope: int, v_dim: int
+) -> torch.Tensor:
+    """absorbed_q_weight, computed once per pair of weight tensors (and again if either is
+    written in place) and kept while both live. The first call for a layer's weights must come
+    before a CUDA-graph capture (the warm-up), as for the MoE's counters."""
+    key = (id(q_b_proj), id(kv_b_proj))
+    versions = (q_b_proj._version, kv_b_proj._version)
+    cached = _absorbed.get(key)
+    if cached is not None:
+        q_ref, kv_ref, cached_versions, weight = cached
+        if q_ref() is q_b_proj and kv_ref() is kv_b_proj and cached_versions == versions:
+            return weight
+    if q_b_proj.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("absorbed query weights: run the layer once before capturing a graph")
+    weight = absorbed_q_weight(q_b_proj, kv_b_proj, heads, nope, v_dim)
+
+    def forget(_: object) -> None:  # either weight freed: its id may name another tensor
+        _absorbed.pop(key, None)
+
+    _absorbed[key] = (weakref.ref(q_b_proj, forget), weakref.ref(kv_b_proj, forget), versions,
+                      weight)  # fmt: skip
+    return weight
 
 
 # torch 2.13 renamed it (the old name warns); the GPU machines run torch 2.11
@@ -712,10 +827,15 @@ def combine_rank_splits(
 
 
 def _split_partials(
-    q_lat: torch.Tensor, kv_cache: torch.Tensor, lora: int, scale: float, blocks: AttentionBlocks
+    q_lat: torch.Tensor,
+    kv_cache: torch.Tensor,
+    lora: int,
+    scale: float,
+    blocks: AttentionBlocks,
+    unfinished: UnfinishedQuery | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel: per split, (max, sum) as stats (2, B, S, H) and the partial sums
-    (B, S, H, L), all fp32."""
+    (B, S, H, L), all fp32. With `unfinished` it writes q_lat from it first."""
     batch, heads, width = q_lat.shape
     context = kv_cache.shape[1]
     splits = blocks.splits
@@ -742,6 +862,10 @@ def _split_partials(
         num_warps=blocks.split_warps,
         num_stages=blocks.split_stages,
         **pdl_options(q_lat.device),
+        q_sums_ptr=unfinished.sums if unfinished else q_lat,
+        positions_ptr=unfinished.positions if unfinished else q_lat,
+        turns_ptr=unfinished.turns if unfinished else q_lat,
+        FINISH_Q=unfinished is not None,
     )
     return stats, partial
 

@@ -27,7 +27,14 @@ from harness.evaluation.environment import gpu_kind
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.outcomes import Passed, reasons_of
 from harness.evaluation.plan import derive_seed
-from kernels.mla_moe_decode import cute_gemv, fused, stock, triton_common, triton_moe
+from kernels.mla_moe_decode import (
+    cute_gemv,
+    fused,
+    stock,
+    triton_attention,
+    triton_common,
+    triton_moe,
+)
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem
 from kernels.mla_moe_decode.triton_attention import (
@@ -266,6 +273,79 @@ def test_fused_layer_with_latent_prep_folded_passes_the_harness_correctness_chec
     _plan_with(monkeypatch, fold_latent_prep=True)
     path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
     _assert_passes_the_harness_check(path, _case(batch, context), CPU)
+
+
+@pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])
+def test_fused_layer_with_the_query_absorbed_passes_the_harness_correctness_check(
+    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LayerPlan.absorb_q (one GEMV over W_UK folded into q_b_proj, finished by the split
+    attention kernel) in the whole layer."""
+    _plan_with(monkeypatch, absorb_q=True)
+    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
+    _assert_passes_the_harness_check(path, _case(batch, context), CPU)
+
+
+def test_absorbed_query_weight_is_q_b_then_w_uk_and_is_computed_once_per_weights() -> None:
+    """absorbed_q_weight: q_c @ it.T is, per head, (q_c @ W_q_nope.T) @ W_UK and then the
+    head's q_pe columns untouched, to its bf16 rounding. absorbed_q_weights keeps it while the
+    weights live: the same tensor for the same weights, a new one after either is written in
+    place, and its entry gone once a weight is freed."""
+    c, gen = LAYER, torch.Generator().manual_seed(8)
+    nope, rope, v_dim, lora = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    q_b = (torch.randn(c.heads * (nope + rope), c.q_lora_rank, generator=gen) / 8).to(BF16)
+    kv_b = (torch.randn(c.heads * (nope + v_dim), lora, generator=gen) / 8).to(BF16)
+    q_c = torch.randn(5, c.q_lora_rank, generator=gen).to(BF16)
+    absorbed = triton_attention.absorbed_q_weight(q_b, kv_b, c.heads, nope, v_dim)
+    assert absorbed.shape == (c.heads * (lora + rope), c.q_lora_rank) and absorbed.dtype == BF16
+    got = (q_c.double() @ absorbed.double().T).view(5, c.heads, lora + rope)
+    q = (q_c.double() @ q_b.double().T).view(5, c.heads, nope + rope)
+    w_uk = kv_b.double().view(c.heads, nope + v_dim, lora)[:, :nope]
+    expected_latent = torch.einsum("bhn,hnl->bhl", q[..., :nope], w_uk)
+    assert _relative(got[..., :lora], expected_latent) < 4e-3  # the weight's bf16 rounding
+    assert torch.allclose(got[..., lora:], q[..., nope:], rtol=1e-12, atol=1e-12)
+    first = triton_attention.absorbed_q_weights(q_b, kv_b, c.heads, nope, v_dim)
+    assert torch.equal(first, absorbed)
+    assert triton_attention.absorbed_q_weights(q_b, kv_b, c.heads, nope, v_dim) is first
+    kv_b.mul_(2)  # written in place: computed again
+    again = triton_attention.absorbed_q_weights(q_b, kv_b, c.heads, nope, v_dim)
+    assert again is not first and not torch.equal(again[:lora], first[:lora])
+    key = (id(q_b), id(kv_b))
+    assert key in triton_attention._absorbed
+    del kv_b
+    assert key not in triton_attention._absorbed
+
+
+@pytest.mark.parametrize(("batch", "context", "gpu_plan"), [(1, 1, False), (3, 70, True)])
+def test_split_attention_finishes_the_absorbed_query_as_q_absorb_stores_it(
+    batch: int, context: int, gpu_plan: bool
+) -> None:
+    """With the absorbed GEMV's sums (UnfinishedQuery) the split kernel writes q_lat (the latent
+    part rounded, the rope pairs rotated with fp64 angles and rounded) and attends with it: the
+    same bits as the plain attention over that q_lat, and q_lat as torch computes it."""
+    c, gen = LAYER, torch.Generator().manual_seed(context)
+    width, lora, rope = c.latent_dim, c.kv_lora_rank, c.qk_rope_head_dim
+    sums = torch.randn(1, batch, c.heads * width, generator=gen) * 2
+    positions = torch.randint(0, 40000, (batch,), generator=gen)
+    turns = fused.rope_turns(CPU, rope, c.rope_theta)
+    cache = torch.randn(batch, context, width, generator=gen).to(BF16)
+    kv_new = torch.randn(batch, width, generator=gen).to(BF16)
+    plan = fused.layer_plan(LAYER, batch, context, on_gpu=gpu_plan, sm_count=132).attention
+    scale = c.qk_head_dim**-0.5
+    q_lat = torch.full((batch, c.heads, width), float("nan"), dtype=BF16)
+    o_lat = torch.empty(batch, c.heads, lora, dtype=BF16)
+    unfinished = triton_attention.UnfinishedQuery(sums, positions, turns)
+    mla_attention(q_lat, cache, kv_new, o_lat, scale, plan, unfinished)
+    q = sums.view(batch, c.heads, width).double()
+    assert torch.equal(q_lat[..., :lora], q[..., :lora].to(BF16))
+    angle = 2 * torch.pi * torch.frac(positions.double()[:, None] * turns[None, :])  # (B, R/2)
+    even, odd = q[..., lora::2], q[..., lora + 1 :: 2]
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    roped = torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
+    assert _bf16_ulps(q_lat[..., lora:], roped) <= 1.0
+    plain = torch.empty_like(o_lat)
+    mla_attention(q_lat, cache, kv_new, plain, scale, plan)
+    assert torch.equal(o_lat, plain)
 
 
 def test_fused_layer_at_batch_64_is_within_the_budget() -> None:
@@ -1014,14 +1094,14 @@ def test_cute_gemv_partials_match_the_triton_kernels_on_the_gpu(batch: int) -> N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("change", ["gemv_cute", "fold_latent_prep"])
+@pytest.mark.parametrize("change", ["gemv_cute", "fold_latent_prep", "absorb_q"])
 @pytest.mark.parametrize(("batch", "context"), [(1, 8192), (8, 5000), (64, 1024)])
 def test_real_shard_with_a_plan_change_passes_the_harness_check_on_the_gpu(
     change: str, batch: int, context: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The layer with LayerPlan.gemv_cute on (the four GEMVs in CuTe DSL) or with
-    fold_latent_prep on (kernels 3 and 4 in one launch) through the same check as the plan's
-    layer above."""
+    """The layer with LayerPlan.gemv_cute on (the four GEMVs in CuTe DSL), with
+    fold_latent_prep on (kernels 3 and 4 in one launch) or with absorb_q on (kernels 4 and 5 as
+    one GEMV) through the same check as the plan's layer above."""
     _plan_with(monkeypatch, **{change: True})
     manifest = load_manifest_file(SCOPE)
     config: dict[str, object] = dict(manifest.model.config)
@@ -1033,7 +1113,7 @@ def test_real_shard_with_a_plan_change_passes_the_harness_check_on_the_gpu(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("change", [None, "gemv_cute", "fold_latent_prep"])
+@pytest.mark.parametrize("change", [None, "gemv_cute", "fold_latent_prep", "absorb_q"])
 def test_fused_layer_replays_from_a_cuda_graph_on_fresh_inputs(
     change: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.evaluation.engine import default_stop_rule
-from harness.evaluation.environment import detect_host, fingerprint
+from harness.evaluation.environment import REPO_ROOT, detect_host, fingerprint, git_sha
 from harness.evaluation.profiling import profile_step
 from harness.evaluation.stats import median, speedup_ci95
 from harness.evaluation.timing import (
@@ -220,7 +220,7 @@ def main() -> None:
         results.append(event_vs_cupti(f"stock add+RMSNorm batch {batch}", layer_set, fn))
     report = {
         "device": torch.cuda.get_device_name(0),
-        "environment": fingerprint(detect_host("cuda")),
+        "environment": fingerprint(detect_host("cuda"), git_sha(REPO_ROOT)),
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

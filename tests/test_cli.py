@@ -11,6 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from harness.cli import app
+from harness.evaluation import engine
 from harness.evaluation.checkpoint import code_digest
 from harness.evaluation.environment import REPO_ROOT
 from harness.evaluation.evidence import SCHEMA_VERSION, Evidence
@@ -63,6 +64,25 @@ def test_pass_exits_0_with_evidence_and_report(tmp_path: Path) -> None:
     modules = [spec.split(":")[0] for spec in yaml.safe_load(scope.read_text())["path"].values()]
     assert evidence["run"]["code_digest"] == code_digest(REPO_ROOT, modules)
     assert f"| code digest | {evidence['run']['code_digest']} |" in report
+
+
+def test_the_git_sha_is_the_trees_as_the_run_began(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The code digest is taken before any case runs; the git SHA beside it must be too. Read
+    after the run, it named whatever the tree had become by then (a commit or an edit made
+    while a long validate ran), while the digest still pinned the code that ran."""
+    reads: list[str] = []
+
+    def sha_now(_: Path) -> str:
+        reads.append(f"commit-{len(reads)}")  # the tree moves on after every read
+        return reads[-1]
+
+    monkeypatch.setattr(engine, "git_sha", sha_now)
+    code, output, evidence = _validate(tmp_path, _small_scope(tmp_path, []))
+    assert code == 0, output
+    assert reads == ["commit-0"]
+    assert evidence["environment"]["harness_sha"] == "commit-0"
 
 
 def test_claims_not_measurable_on_cpu_exit_3(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from harness.evaluation import correctness as correctness_mod
 from harness.evaluation import decode_check
 from harness.evaluation.bandwidth import floor_warnings, hbm_bytes_per_s
 from harness.evaluation.cases import Case
-from harness.evaluation.environment import REPO_ROOT, detect_host, fingerprint
+from harness.evaluation.environment import REPO_ROOT, detect_host, fingerprint, git_sha
 from harness.evaluation.evidence import (
     CaseEvidence,
     CorrectnessEvidence,
@@ -116,13 +116,16 @@ def evaluate(
     # the code as loaded, before any case runs: the repository and the path's own modules
     entry_modules = [spec.split(":")[0] for spec in manifest.path.model_dump().values()]
     code_digest = checkpoints.code_digest(REPO_ROOT, entry_modules)
+    harness_sha = git_sha(REPO_ROOT)
     host = detect_host(options.device)
     secret_seed = options.seed if options.seed is not None else secrets.randbits(63)
     plan = make_plan(manifest, host, secret_seed, options.quick, options.gpus)
     notes = [CPU_NOTE] if host.device == "cpu" else []
     record = None
     if options.checkpoint is not None or options.resume is not None:
-        record = _checkpointer(manifest, options, host, secret_seed, started_at, code_digest)
+        record = _checkpointer(
+            manifest, options, host, secret_seed, started_at, code_digest, harness_sha
+        )
     if options.resume is not None:
         checkpoints.check_cases(options.resume, [(c.id, c.origin) for c in plan.cases])
         notes.append(checkpoints.resume_note(options.resume, started_at))
@@ -158,7 +161,8 @@ def evaluate(
             command=command,
             code_digest=code_digest,
         ),
-        environment=fingerprint(host),  # after the run: clocks as they were under load
+        # after the run: clocks as they were under load; the SHA as the run began
+        environment=fingerprint(host, harness_sha),
         not_run=list(plan.not_run),
         cases=run.cases,
         probes=run.probes,
@@ -180,10 +184,11 @@ def _checkpointer(
     seed: int,
     started_at: str,
     code_digest: str,
+    harness_sha: str | None,
 ) -> Recorder | None:
     """What writes the checkpoint after each case (None: no checkpoint asked for). Refuses a
     resume whose checkpoint was made under other settings (ResumeRefused)."""
-    environment = fingerprint(host)
+    environment = fingerprint(host, harness_sha)
     current = checkpoints.Checkpoint(
         scope=manifest.name,
         manifest=manifest.model_dump(mode="json"),

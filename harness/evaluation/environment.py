@@ -46,7 +46,10 @@ def gpu_kind(device_name: str) -> str:
     return device_name  # an unknown kind matches no manifest, so nothing runs as if it were known
 
 
-def fingerprint(host: Host) -> dict[str, object]:
+def fingerprint(host: Host, harness_sha: str | None) -> dict[str, object]:
+    """The host, its versions and (on CUDA) its clocks now; harness_sha: git_sha of the tree as
+    the run began, read beside the code digest (a tree edited mid-run must not be credited to
+    the run, nor the run to it)."""
     env: dict[str, object] = {
         "host_gpu": host.gpu,
         "host_gpu_count": host.count,
@@ -59,7 +62,7 @@ def fingerprint(host: Host) -> dict[str, object]:
         "vllm": _version("vllm"),
         "numpy": _version("numpy"),
         "harness_version": __version__,
-        "harness_sha": git_sha(REPO_ROOT),
+        "harness_sha": harness_sha,
     }
     if host.device == "cuda":
         env.update(_cuda_details())

@@ -23,6 +23,7 @@ from harness.config import get_settings
 from harness.evaluation.environment import DeviceUnavailable
 from harness.evaluation.evidence import Evidence
 from harness.evaluation.plan import MAX_SEED
+from harness.reports import facts
 from harness.serving.cli import app as serving_app
 from scopes.manifest import ManifestError, ScopeManifest, load_manifest_file
 
@@ -417,17 +418,9 @@ def _cases_table(evidence: Evidence) -> Table:
             f"{perf.stock_us_median:.2f}",
             f"{perf.candidate_us_median:.2f}",
             f"{perf.speedup:.3f} [{perf.speedup_ci95[0]:.3f}, {perf.speedup_ci95[1]:.3f}]",
-            _kernels(
-                perf.stock_kernels_per_layer, perf.candidate_kernels_per_layer, perf.kernel_source
-            ),
+            facts.kernel_pair(perf),
         )
     return table
-
-
-def _kernels(stock: float | None, candidate: float | None, source: str | None) -> str:
-    if stock is None or candidate is None:
-        return "-"
-    return f"{stock:g} / {candidate:g}" + (" ops" if source == "cpu-ops" else "")
 
 
 github_app = typer.Typer(help="GitHub commit statuses (docs/github.md).", no_args_is_help=True)

@@ -15,6 +15,7 @@ from harness.evaluation.evidence import (
     ClaimEvidence,
     DecodeCheckEvidence,
     Evidence,
+    PerformanceEvidence,
 )
 
 # A speedup above this is possible (a fused kernel replacing a dozen launches) but rare enough
@@ -182,7 +183,23 @@ def kernel_summary(evidence: Evidence) -> str:
     candidate = sorted({k for _, _, k in counts if k is not None})
     if not stock and not candidate:
         return "no kernel counts (no case was timed)"
-    return f"stock {_span(stock)}, candidate {_span(candidate)} kernels per layer"
+    unit = "kernels per layer"
+    if any(counts_ops(c.performance) for c in evidence.cases):
+        unit = "torch ops per layer (counted on the CPU: not GPU kernels)"
+    return f"stock {_span(stock)}, candidate {_span(candidate)} {unit}"
+
+
+def kernel_pair(performance: PerformanceEvidence) -> str:
+    """A case's "stock / candidate" kernels per layer; "ops" where the CPU profile counted
+    top-level torch ops, which are not kernels and must not read as if they were."""
+    stock, candidate = performance.stock_kernels_per_layer, performance.candidate_kernels_per_layer
+    if stock is None or candidate is None:
+        return "-"
+    return f"{stock:g} / {candidate:g}" + (" ops" if counts_ops(performance) else "")
+
+
+def counts_ops(performance: PerformanceEvidence | None) -> bool:
+    return performance is not None and performance.kernel_source == "cpu-ops"
 
 
 def _span(values: list[float]) -> str:

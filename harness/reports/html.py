@@ -89,8 +89,7 @@ def _case_row(case: CaseEvidence) -> dict[str, object]:
             "stock": _with_ci(perf.stock_us_median, perf.stock_us_ci95, 2),
             "candidate": _with_ci(perf.candidate_us_median, perf.candidate_us_ci95, 2),
             "speedup": _with_ci(perf.speedup, perf.speedup_ci95, 3),
-            "kernels": f"{facts.fmt(perf.stock_kernels_per_layer)} / "
-            f"{facts.fmt(perf.candidate_kernels_per_layer)}",
+            "kernels": facts.kernel_pair(perf),
             "hbm": facts.fmt(perf.candidate_hbm_fraction, 3),
             "pairs": len(perf.candidate_us),
             "method": perf.method,
@@ -264,6 +263,8 @@ def _worst_errors(case: CaseEvidence) -> tuple[float, float]:
 def _kernels(evidence: Evidence) -> str:
     timed = [c for c in evidence.cases if c.performance]
     title = "Kernels per layer"
+    if any(facts.counts_ops(c.performance) for c in timed):
+        title = "Torch ops per layer (counted on the CPU: not GPU kernels)"
     if len(timed) > MAX_BAR_CATEGORIES:  # evenly spaced from first to last, and said so
         title += f" ({MAX_BAR_CATEGORIES} of {len(timed)} timed cases, evenly spaced)"
         timed = facts.even_sample(timed, MAX_BAR_CATEGORIES)

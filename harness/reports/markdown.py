@@ -140,20 +140,15 @@ def _case_row(case: CaseEvidence) -> str:
     perf = case.performance
     if perf is None:
         return f"{head} | - | - | - | - |"
-    kernels = f"{_num(perf.stock_kernels_per_layer)} / {_num(perf.candidate_kernels_per_layer)}"
     return (
         f"{head} | {perf.stock_us_median:.2f} | {perf.candidate_us_median:.2f} "
         f"| {perf.speedup:.3f} [{perf.speedup_ci95[0]:.3f}, {perf.speedup_ci95[1]:.3f}] "
-        f"| {kernels} |"
+        f"| {facts.kernel_pair(perf)} |"
     )
 
 
 def _fixed(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:g}"
 
 
 def _kernels(evidence: Evidence) -> list[str]:

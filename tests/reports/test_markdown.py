@@ -236,3 +236,18 @@ def test_a_dirty_tree_is_flagged_beside_its_sha() -> None:
         update={"environment": {**evidence.environment, "harness_sha": "74d2858"}}
     )
     assert "| harness SHA | 74d2858 |" in render_markdown(clean)
+
+
+def test_cpu_counts_read_as_torch_ops_not_kernels() -> None:
+    """On the CPU the profile counts top-level torch ops (kernel_source "cpu-ops"): the report
+    says so in every case row and in the summary, so that "35" beside a claim of at most one
+    kernel does not read as a GPU kernel count."""
+    evidence = load("cpu_rmsnorm")
+    timed = [c for c in evidence.cases if c.performance is not None]
+    assert timed and all(c.performance.kernel_source == "cpu-ops" for c in timed)  # type: ignore[union-attr]
+    markdown = render_markdown(evidence)
+    rows = [line for line in markdown.splitlines() if line.startswith("| batch=")]
+    assert rows and all(row.endswith(" ops |") for row in rows)
+    summary = markdown.split("## Kernels per layer", 1)[1].split("\n## ", 1)[0]
+    assert "torch ops per layer (counted on the CPU: not GPU kernels)." in summary
+    assert "GPU kernels" not in render_markdown(load("h200_claims")).split("## Kernels", 1)[1]

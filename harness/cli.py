@@ -21,7 +21,7 @@ from rich.text import Text
 
 from harness.config import get_settings
 from harness.evaluation.environment import DeviceUnavailable
-from harness.evaluation.evidence import Evidence
+from harness.evaluation.evidence import Evidence, evidence_json_schema
 from harness.evaluation.plan import MAX_SEED
 from harness.reports import facts
 from harness.serving.cli import app as serving_app
@@ -170,7 +170,7 @@ def check(scope: Annotated[Path, typer.Argument(help="scope manifest")]) -> None
 @app.command("schema")
 def schema() -> None:
     """Print the JSON Schema of evidence.json."""
-    out_console.print_json(json.dumps(Evidence.model_json_schema()))
+    out_console.print_json(json.dumps(evidence_json_schema()))
 
 
 db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)

@@ -66,6 +66,29 @@ def test_pass_exits_0_with_evidence_and_report(tmp_path: Path) -> None:
     assert f"| code digest | {evidence['run']['code_digest']} |" in report
 
 
+def test_evidence_files_meet_the_printed_schema_infinite_errors_included(tmp_path: Path) -> None:
+    """`pathgate schema` describes evidence.json as written: a fresh run's file validates, and so
+    does one whose candidate wrote NaN (its errors travel as the string "Infinity", which a plain
+    number schema refused); a file without schema_version, or with another, does not."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")  # schemathesis' validator (dev tools)
+    code, output, evidence = _validate(tmp_path, _small_scope(tmp_path, []))
+    assert code == 0, output
+    printed = CliRunner().invoke(app, ["schema"])
+    validator = jsonschema_rs.validator_for(json.loads(printed.output))
+    assert validator.is_valid(evidence)
+    model = Evidence.model_validate(evidence)
+    trial = model.cases[0].correctness.trials[0]  # type: ignore[union-attr]
+    trial.outputs[0].candidate_error = trial.outputs[0].error_ratio = float("inf")
+    trial.outputs[0].cosine = float("nan")
+    nan_output = json.loads(model.model_dump_json())
+    assert nan_output["cases"][0]["correctness"]["trials"][0]["outputs"][0]["error_ratio"] == (
+        "Infinity"
+    )
+    assert validator.is_valid(nan_output)
+    assert not validator.is_valid({k: v for k, v in evidence.items() if k != "schema_version"})
+    assert not validator.is_valid(evidence | {"schema_version": "pathgate.evidence/0"})
+
+
 def test_the_git_sha_is_the_trees_as_the_run_began(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

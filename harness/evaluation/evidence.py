@@ -6,11 +6,13 @@ docs/evidence.md describes the fields; `pathgate schema` prints the JSON Schema.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import GenerateJsonSchema
+from pydantic_core import CoreSchema
 
-SCHEMA_VERSION = "pathgate.evidence/1"
+SCHEMA_VERSION: Final = "pathgate.evidence/1"
 Verdict = Literal["PASS", "FAIL", "NEEDS_REVIEW", "INCONCLUSIVE"]
 VERDICTS: tuple[Verdict, ...] = ("PASS", "FAIL", "NEEDS_REVIEW", "INCONCLUSIVE")
 # The submission (and job) state a finished evaluation's verdict puts it in.
@@ -27,7 +29,10 @@ ClaimStatus = Literal["verified", "refuted", "inconclusive", "not_measurable"]
 class Model(BaseModel):
     # An error can be infinite (a NaN output): in JSON it travels as the string "Infinity",
     # which reads back as a float, where JSON's own null would not.
-    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
+    # The JSON Schema (evidence_json_schema) describes the file, where every field is written.
+    model_config = ConfigDict(
+        extra="forbid", ser_json_inf_nan="strings", json_schema_serialization_defaults_required=True
+    )
 
 
 class OutputErrorEvidence(Model):
@@ -163,7 +168,7 @@ class RunInfo(Model):
 
 
 class Evidence(Model):
-    schema_version: str = SCHEMA_VERSION
+    schema_version: Literal["pathgate.evidence/1"] = SCHEMA_VERSION  # the one version there is
     verdict: Verdict
     verdict_reasons: list[str]
     scope: str
@@ -180,3 +185,18 @@ class Evidence(Model):
     # the static pre-screen's findings: for the reviewer, never a verdict by themselves
     warnings: list[str] = []
     decode_check: DecodeCheckEvidence | None = None
+
+
+class EvidenceFileSchema(GenerateJsonSchema):
+    """evidence.json as the engine writes it: a float may be the string "Infinity",
+    "-Infinity" or "NaN" (Model's ser_json_inf_nan), which a plain JSON Schema number refuses."""
+
+    def float_schema(self, schema: CoreSchema) -> dict[str, Any]:  # type: ignore[override]
+        number = super().float_schema(schema)  # type: ignore[arg-type]
+        return {"anyOf": [number, {"enum": ["Infinity", "-Infinity", "NaN"]}]}
+
+
+def evidence_json_schema() -> dict[str, Any]:
+    """The JSON Schema of evidence.json (`pathgate schema`): the serialized form, so every
+    field the engine always writes (schema_version included) is required."""
+    return Evidence.model_json_schema(mode="serialization", schema_generator=EvidenceFileSchema)

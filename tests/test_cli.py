@@ -11,10 +11,11 @@ import yaml
 from typer.testing import CliRunner
 
 from harness.cli import app
-from harness.evaluation import engine
+from harness.evaluation import engine, stats
 from harness.evaluation.checkpoint import code_digest
 from harness.evaluation.environment import REPO_ROOT
 from harness.evaluation.evidence import SCHEMA_VERSION, Evidence
+from harness.evaluation.timing import capture_spread
 from scopes.manifest import load_manifest_file
 
 SCOPES = Path(__file__).resolve().parents[1] / "scopes"
@@ -87,6 +88,30 @@ def test_evidence_files_meet_the_printed_schema_infinite_errors_included(tmp_pat
     assert validator.is_valid(nan_output)
     assert not validator.is_valid({k: v for k, v in evidence.items() if k != "schema_version"})
     assert not validator.is_valid(evidence | {"schema_version": "pathgate.evidence/0"})
+
+
+def test_every_interval_recomputes_from_the_evidence_alone(tmp_path: Path) -> None:
+    """Evidence is the product: the stored samples, the capture each pair ran on and the
+    bootstrap's seed and resample count give back every median, interval, the capture spread
+    and the judged speedup interval exactly, with no seed rebuilt from the harness's code."""
+    code, output, evidence = _validate(tmp_path, _small_scope(tmp_path, []))
+    assert code == 0, output
+    timed = [c["performance"] for c in evidence["cases"] if c["performance"]]
+    assert timed
+    for perf in timed:
+        seed, stock, candidate = perf["bootstrap_seed"], perf["stock_us"], perf["candidate_us"]
+        assert perf["bootstrap_resamples"] == stats.BOOTSTRAP_RESAMPLES
+        assert len(perf["capture_index"]) == len(stock) == len(candidate)
+        point, *sampling = stats.speedup_ci95(stock, candidate, seed)
+        assert (point, sampling) == (perf["speedup"], list(perf["speedup_ci95_sampling"]))
+        for arm, samples in (("stock", stock), ("candidate", candidate)):
+            median, *ci = stats.median_ci95(samples, seed)
+            assert (median, ci) == (perf[f"{arm}_us_median"], list(perf[f"{arm}_us_ci95"]))
+        spread = capture_spread(stock, perf["capture_index"])
+        spread += capture_spread(candidate, perf["capture_index"])
+        assert spread == perf["capture_spread"]
+        judged = [sampling[0] * (1 - spread), sampling[1] * (1 + spread)]
+        assert judged == list(perf["speedup_ci95"])
 
 
 def test_the_git_sha_is_the_trees_as_the_run_began(

@@ -59,7 +59,7 @@ from harness.evaluation.plan import Host, Plan, derive_seed, make_plan
 from harness.evaluation.prescreen import Finding, screen_files
 from harness.evaluation.profiling import profile_step
 from harness.evaluation.ranks import run_case_on_ranks, runs_on_ranks
-from harness.evaluation.stats import median_ci95, speedup_ci95
+from harness.evaluation.stats import BOOTSTRAP_RESAMPLES, median_ci95, speedup_ci95
 from harness.evaluation.timing import (
     LayerSet,
     RankSync,
@@ -511,8 +511,10 @@ def measure_case(
 
 
 def sample_statistics(timing: Timing, seed: int) -> dict[str, Any]:
-    """The PerformanceEvidence fields that come from the timed samples alone: the samples, each
-    arm's median and CI, the speedup with its interval and the capture spread."""
+    """The PerformanceEvidence fields that come from the timed samples alone: the samples and
+    the capture each pair ran on, each arm's median and CI, the speedup with its interval and
+    the capture spread, and the bootstrap's seed and resample count, so that every interval can
+    be recomputed from the evidence alone."""
     speedup, speedup_ci, spread = speedup_interval(timing, seed)
     _, *sampling_ci = speedup_ci95(timing.stock_us, timing.candidate_us, seed)
     stock_median, *stock_ci = median_ci95(timing.stock_us, seed)
@@ -528,6 +530,9 @@ def sample_statistics(timing: Timing, seed: int) -> dict[str, Any]:
         "speedup_ci95": speedup_ci,
         "speedup_ci95_sampling": (sampling_ci[0], sampling_ci[1]),
         "capture_spread": spread,
+        "capture_index": timing.capture_index,
+        "bootstrap_seed": seed,
+        "bootstrap_resamples": BOOTSTRAP_RESAMPLES,
     }
 
 

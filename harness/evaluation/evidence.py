@@ -77,6 +77,11 @@ class PerformanceEvidence(Model):
     speedup_ci95_sampling: tuple[float, float]
     captures: int  # CUDA graphs captured per path; samples rotate through them
     capture_spread: float  # relative range of per-capture medians, stock + candidate
+    # which capture each sample pair ran on, and the bootstrap behind every interval (stats.py):
+    # with them the intervals recompute from this file alone (empty / None in older evidence)
+    capture_index: list[int] = []
+    bootstrap_seed: int | None = None
+    bootstrap_resamples: int | None = None
     stop_reason: str
     stock_eager_us: float | None
     candidate_eager_us: float | None

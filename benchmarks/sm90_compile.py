@@ -12,8 +12,8 @@ arguments, constexprs, warps and stages, and reads the cubin's resources: regist
 Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compiler needs):
 
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
-        [--moe plan|run18|run19] [--gemv plan|triton|cute] [--fold-latent-prep] [--absorb-q]
-        [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
+        [--moe plan|run18|run19] [--gemv plan|triton|cute] [--fold-latent-prep]
+        [--absorb-q plan|on|off] [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
 Triton (CI: 3.9), not necessarily the device's (3.6): a clean compile here is evidence, not
@@ -302,7 +302,7 @@ def compile_layer(
     ptx_dir: Path | None = None,
     gemv: str = "plan",
     fold_latent_prep: bool = False,
-    absorb_q: bool = False,
+    absorb_q: str = "plan",
 ) -> list[Compiled]:
     plan = fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS)
     if moe in ("run18", "run19"):
@@ -310,7 +310,8 @@ def compile_layer(
 
         plan = (run18_moe_plan if moe == "run18" else run19_moe_plan)(plan, batch)
     gemv_cute = plan.gemv_cute if gemv == "plan" else gemv == "cute"
-    plan = replace(plan, gemv_cute=gemv_cute, fold_latent_prep=fold_latent_prep, absorb_q=absorb_q)
+    absorbed = plan.absorb_q if absorb_q == "plan" else absorb_q == "on"
+    plan = replace(plan, gemv_cute=gemv_cute, fold_latent_prep=fold_latent_prep, absorb_q=absorbed)
     launches = layer_launches(batch, context, plan)
     case_dir = ptx_dir and ptx_dir / f"{batch}x{context}"
     return [
@@ -355,8 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--absorb-q",
-        action="store_true",
-        help="kernels 4 and 5 as one GEMV over the absorbed query weight (LayerPlan.absorb_q)",
+        choices=("plan", "on", "off"),
+        default="plan",
+        help="kernels 4 and 5 as one GEMV over the absorbed query weight (LayerPlan.absorb_q): "
+        "as the plan has it (above batch 4), or on or off at every batch",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/sm90_compile.json")

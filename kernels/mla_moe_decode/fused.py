@@ -1,8 +1,8 @@
 """Candidate: the fused ("specialized") path for one MLA+MoE decode layer shard, and its guard.
 
 Same contract and numerics class as stock.py (bf16 storage, fp32 accumulation, fp32 router
-logits, the same routing rule), in 14 kernels per layer where the stock path runs dozens (13
-above batch 4, where kernels 13 and 14 run as one):
+logits, the same routing rule), in 14 kernels per layer where the stock path runs dozens (12
+above batch 4, where kernels 13 and 14 run as one and kernels 4 and 5 as one):
 
      1  input residual add + RMSNorm                          CuTe DSL   cute_kernels.add_rmsnorm
      2  fused_qkv_a_proj GEMV (q_a | kv_a stacked), split-K   Triton     triton_gemv
@@ -24,7 +24,9 @@ sums on mma.sync), which the plan takes on the GPU at batch <= 8 (LayerPlan.gemv
 3 and 4 exist as one launch (triton_attention.q_b_folded, LayerPlan.fold_latent_prep), off:
 measured slower. Above batch 4 kernels 13 and 14 are one kernel (triton_moe's
 _moe_stream_kernel, MoeBlocks.stream_programs): the same items, claimed in turn, each down
-item waiting for its expert's gate_up items.
+item waiting for its expert's gate_up items; and kernels 4 and 5 are one GEMV over the query
+weight with W_UK absorbed (LayerPlan.absorb_q, triton_attention.absorbed_q_weights), whose
+sums the split attention kernel finishes: 12 kernels per layer there.
 
 Every weight byte is read once (the experts only where some token chose them, decided on the
 device from the routing table), nothing synchronizes with the host, and no sum depends on the
@@ -244,8 +246,9 @@ class LayerPlan:
     fold_latent_prep: bool = False
     # kernels 4 and 5 as one GEMV over the absorbed query weight (W_UK folded into q_b_proj,
     # triton_attention.absorbed_q_weights), its sums finished (RoPE, rounding) by the split
-    # attention kernel: one kernel fewer, 8.5 MB more weight read. Single-GPU only (the decode-CP
-    # path keeps q_absorb)
+    # attention kernel: one kernel fewer, 8.5 MB more weight read. layer_plan turns it on above
+    # batch 4. Single-GPU only (the decode-CP path keeps q_absorb); fold_latent_prep, which folds
+    # kernel 3 into q_b's GEMV, applies only without it
     absorb_q: bool = False
     q_lat: GemvBlocks | None = None  # the absorbed GEMV's tiles: one K split (absorb_q only)
 
@@ -268,6 +271,10 @@ def layer_plan(
         # The CuTe DSL GEMVs took 0.991-0.999 of the Triton ones' layer time at batch 1 and 8
         # and 1.007-1.011 at batch 64 (H200, 2026-12-05, docs/runs/2026-12-05-small-kernels/)
         gemv_cute=on_gpu and batch <= 8,
+        # The absorbed query took 0.997-1.001 of the plan's layer time at batch 5, 8 and 16 and
+        # 0.987-0.999 at 64 (12 µs at 64 x 1024), but 0.997-1.014 at batch 1, where q_absorb is
+        # cheapest (H100, 2026-12-06, docs/runs/2026-12-06-absorbed-query/)
+        absorb_q=on_gpu and batch > 4,
         q_lat=q_lat_blocks(c, batch, on_gpu),
     )
 

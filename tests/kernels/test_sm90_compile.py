@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,10 @@ LAYER = [
 # and 20 had the gate_up and the down as work items (MoeBlocks.down_programs)
 LAYER_STREAM = [*LAYER[:-2], "_moe_stream_kernel"]
 LAYER_ITEMS = [*LAYER[:-1], "_down_items_kernel"]
+# above batch 4 the query is absorbed too (LayerPlan.absorb_q): q_b's GEMV over the absorbed
+# weight, always the Triton kernel (32-column tiles), and no q_absorb: 12 kernels
+Q_LAT_AT = 3
+LAYER_ABSORBED = [*LAYER_STREAM[:Q_LAT_AT], "_splitk_gemv_kernel", *LAYER_STREAM[Q_LAT_AT + 2 :]]
 BATCHES, CONTEXTS = (1, 8, 64), (1024, 32768)
 CUTE_GEMV = "cute_gemv.splitk_gemv (CuTe DSL)"
 # The plan's GEMVs at batch <= 8 are CuTe DSL (LayerPlan.gemv_cute): compiled where
@@ -50,9 +55,13 @@ HAS_CUTE = importlib.util.find_spec("cutlass") is not None
 
 
 def _plan_kernels(batch: int) -> list[str]:
-    kernels = LAYER if batch <= 4 else LAYER_STREAM
+    kernels = LAYER if batch <= 4 else LAYER_ABSORBED
     if HAS_CUTE and batch <= 8:
-        return [CUTE_GEMV if kernel == "_splitk_gemv_kernel" else kernel for kernel in kernels]
+        triton_gemvs = {Q_LAT_AT} if batch > 4 else set()
+        return [
+            CUTE_GEMV if kernel == "_splitk_gemv_kernel" and i not in triton_gemvs else kernel
+            for i, kernel in enumerate(kernels)
+        ]
     return kernels
 
 
@@ -117,6 +126,9 @@ def test_the_compiled_launches_are_the_plans(plan_report: dict) -> None:
     assert (moe["constexprs"]["TOKENS"], moe["constexprs"]["BLOCK_N"]) == (16, 64)
     split = next(launch for launch in launches if launch["kernel"] == "_mla_split_kernel")
     assert split["grid"] == [64, 16]  # 16 splits of the context per token above batch 8
+    assert split["constexprs"]["FINISH_Q"] is True  # it finishes the absorbed query
+    q_lat = launches[Q_LAT_AT]
+    assert q_lat["grid"] == [144, 1]  # 4608 columns in 32-wide tiles, the whole K in one split
 
 
 def test_run_18s_and_19s_moe_plans_compile_for_sm90(tmp_path: Path) -> None:
@@ -124,6 +136,7 @@ def test_run_18s_and_19s_moe_plans_compile_for_sm90(tmp_path: Path) -> None:
     MoE became one kernel, for comparisons (run 18's GEMVs were Triton's)."""
     for moe, kernels in (("run18", LAYER), ("run19", LAYER_ITEMS)):
         args = ["--batches", "8", "64", "--contexts", "1024", "--moe", moe, "--gemv", "triton"]
+        args += ["--absorb-q", "off"]  # as those runs had it
         report = _run_tool(tmp_path / f"{moe}.json", *args)
         for case, launches in _by_case(report).items():
             assert [launch["kernel"] for launch in launches] == kernels, case
@@ -141,9 +154,8 @@ def test_the_cute_gemvs_compile_for_sm90a_in_place_of_the_triton_ones(tmp_path: 
     compiled by CuTe DSL and assembled by ptxas: the plan's grids, no spills, and as many
     programs per SM as the grids need (at most 2 per SM below batch 16, 3 above)."""
     pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
-    report = _run_tool(
-        tmp_path / "cute.json", "--batches", "8", "64", "--contexts", "1024", "--gemv", "cute"
-    )
+    args = ["--batches", "8", "64", "--contexts", "1024", "--gemv", "cute", "--absorb-q", "off"]
+    report = _run_tool(tmp_path / "cute.json", *args)
     for case, launches in _by_case(report).items():
         kernels = [launch["kernel"] for launch in launches]
         gemv_places = [i for i, kernel in enumerate(LAYER) if kernel == "_splitk_gemv_kernel"]
@@ -159,6 +171,7 @@ def test_the_folded_latent_prep_compiles_for_sm90_as_13_kernels(tmp_path: Path) 
     the column blocks), in one wave of the H200: its qkv_a partials per K step must not take
     the shared memory of a second program per SM."""
     args = ["--batches", "8", "64", "--contexts", "1024", "--fold-latent-prep", "--gemv", "triton"]
+    args += ["--absorb-q", "off"]  # the absorbed query replaces q_b's GEMV, which folds here
     report = _run_tool(tmp_path / "fold.json", *args)
     folded = [*LAYER_STREAM[:2], "_q_b_folded_kernel", *LAYER_STREAM[4:]]
     for case, launches in _by_case(report).items():
@@ -236,7 +249,15 @@ def test_the_split_kernels_loads_need_no_per_token_predicate_off_the_grid(tmp_pa
         tmp_path / "r.json", "--batches", "8", "--contexts", "22759", "22768", "--ptx", str(ptx)
     )
     compares = {
-        context: (ptx / f"8x{context}" / "_mla_split_kernel-06.ptx").read_text().count("setp.lt")
+        context: _only((ptx / f"8x{context}").glob("_mla_split_kernel-*.ptx"))
+        .read_text()
+        .count("setp.lt")
         for context in (22759, 22768)
     }
     assert 0 < compares[22768] <= compares[22759] <= compares[22768] + 8, compares
+
+
+def _only(paths: Iterable[Path]) -> Path:
+    found = list(paths)
+    assert len(found) == 1, found
+    return found[0]

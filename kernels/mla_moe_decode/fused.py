@@ -228,6 +228,7 @@ class LayerPlan:
     q_b: GemvBlocks
     o_proj: GemvBlocks
     router: GemvBlocks
+    q_lat: GemvBlocks  # the absorbed query's GEMV (absorb_q): one K split, q_lat_blocks
     attention: AttentionBlocks
     moe: MoeBlocks
     # warps per program of the row-wise kernels, as first built (the 2026-12-04 sweeps in
@@ -250,7 +251,6 @@ class LayerPlan:
     # batch 4. Single-GPU only (the decode-CP path keeps q_absorb); fold_latent_prep, which folds
     # kernel 3 into q_b's GEMV, applies only without it
     absorb_q: bool = False
-    q_lat: GemvBlocks | None = None  # the absorbed GEMV's tiles: one K split (absorb_q only)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -470,22 +470,21 @@ def _attention_and_routing(
     deferred = None
     q_lat = x.new_empty(batch, c.heads, c.latent_dim)
     nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
+    absorb = plan.absorb_q and cp_group() is None
     unfinished = None
-    if plan.absorb_q and cp_group() is None:
-        q_c = x.new_empty(batch, c.q_lora_rank)
-        latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
-        absorbed = absorbed_q_weights(w["q_b_proj"], w["kv_b_proj"], c.heads, nope, v_dim)
-        assert plan.q_lat is not None
-        # the Triton GEMV: the tiles are 32 columns wide (q_lat_blocks)
-        unfinished = UnfinishedQuery(splitk_gemv(q_c, absorbed, plan.q_lat), positions, turns)
-    elif plan.fold_latent_prep:
+    if plan.fold_latent_prep and not absorb:
         q, deferred = q_b_folded(
             qkv_a, *norms, positions, turns, w["q_b_proj"], out["kv_new"], eps, plan.q_b
         )
     else:
         q_c = x.new_empty(batch, c.q_lora_rank)
         latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
-        q = dense_gemv(q_c, w["q_b_proj"], plan.q_b, plan)
+        if absorb:
+            absorbed = absorbed_q_weights(w["q_b_proj"], w["kv_b_proj"], c.heads, nope, v_dim)
+            # the Triton GEMV: the tiles are 32 columns wide (q_lat_blocks)
+            unfinished = UnfinishedQuery(splitk_gemv(q_c, absorbed, plan.q_lat), positions, turns)
+        else:
+            q = dense_gemv(q_c, w["q_b_proj"], plan.q_b, plan)
     if unfinished is None:
         q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention, deferred)
     o_lat = x.new_empty(batch, c.heads, c.kv_lora_rank)

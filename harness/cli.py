@@ -417,7 +417,7 @@ def _cases_table(evidence: Evidence) -> Table:
             case.status,
             f"{perf.stock_us_median:.2f}",
             f"{perf.candidate_us_median:.2f}",
-            f"{perf.speedup:.3f} [{perf.speedup_ci95[0]:.3f}, {perf.speedup_ci95[1]:.3f}]",
+            facts.speedup_with_ci(perf),
             facts.kernel_pair(perf),
         )
     return table

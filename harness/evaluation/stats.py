@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -36,3 +38,28 @@ def median_ci95(samples: list[float], seed: int = 0) -> tuple[float, float, floa
     medians = np.median(values[picks], axis=1)
     low, high = np.percentile(medians, [2.5, 97.5])
     return float(np.median(values)), float(low), float(high)
+
+
+def distinct_texts(numbers: tuple[float, ...], places: int = 4, style: str = "g") -> list[str]:
+    """`numbers` printed with `places` digits (decimals for style "f", significant for "g"), or up
+    to three more where rounding would print two different finite numbers alike: a speedup of
+    1.0004 in [1.0001, 1.0008] must not read "1.000 [1.000, 1.001]", as if the interval touched
+    the point, or 1.0 when 1.0 is among them."""
+    finite = {x for x in numbers if math.isfinite(x)}
+    for digits in range(places, places + 4):
+        texts = [f"{x:.{digits}{style}}" for x in numbers]
+        if len({f"{x:.{digits}{style}}" for x in finite}) == len(finite):
+            break
+    return texts
+
+
+def with_ci(
+    value: float,
+    ci: tuple[float, float],
+    places: int = 4,
+    style: str = "g",
+    marks: tuple[float, ...] = (),
+) -> str:
+    """`value [low, high]`, kept apart from each other and from `marks` (a claim's bound, 1.0)."""
+    point, low, high = distinct_texts((value, *ci, *marks), places, style)[:3]
+    return f"{point} [{low}, {high}]"

@@ -22,6 +22,7 @@ from harness.evaluation.evidence import (
     ProbeEvidence,
     Verdict,
 )
+from harness.evaluation.stats import distinct_texts
 from scopes.manifest import SERVING_METRICS, Claim
 
 FAILING_CASE_STATUSES = {"failed", "crashed", "unsupported", "timed_out"}
@@ -84,18 +85,19 @@ def check_claim(claim: Claim, cases: list[CaseEvidence], host_gpu: str) -> Claim
         hits = [s for s in statuses if s[0] == wanted]
         if hits:
             _, case_id, value, ci = hits[0]
+            point, low, high = distinct_texts((value, *ci, claim_bound(claim)))[:3]
             return result(
                 wanted,
-                f"{case_id}: measured {value:.4g}, 95% CI [{ci[0]:.4g}, {ci[1]:.4g}]",
+                f"{case_id}: measured {point}, 95% CI [{low}, {high}]",
                 value,
                 ci,
                 ids,
             )
     worst = min(statuses, key=lambda s: interval_margin(claim, s[3]))
+    low, high = distinct_texts((*worst[3], claim_bound(claim)))[:2]
     return result(
         "verified",
-        f"all {len(statuses)} selected cases meet it; closest {worst[1]}: "
-        f"95% CI [{worst[3][0]:.4g}, {worst[3][1]:.4g}]",
+        f"all {len(statuses)} selected cases meet it; closest {worst[1]}: 95% CI [{low}, {high}]",
         worst[2],
         worst[3],
         ids,
@@ -153,6 +155,10 @@ def interval_status(claim: Claim, low: float, high: float) -> ClaimStatus:
     assert claim.at_most is not None
     threshold = claim.at_most * (1 + claim.tolerance)
     return "verified" if high <= threshold else "refuted" if low > threshold else "inconclusive"
+
+
+def claim_bound(claim: Claim) -> float:
+    return claim.at_least if claim.at_least is not None else claim.at_most or 0.0
 
 
 def interval_margin(claim: Claim, ci: tuple[float, float]) -> float:

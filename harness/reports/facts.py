@@ -17,6 +17,7 @@ from harness.evaluation.evidence import (
     Evidence,
     PerformanceEvidence,
 )
+from harness.evaluation.stats import distinct_texts, with_ci
 
 # A speedup above this is possible (a fused kernel replacing a dozen launches) but rare enough
 # that a maintainer should look at how it was measured before believing it.
@@ -94,6 +95,10 @@ def fmt(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
+def speedup_with_ci(performance: PerformanceEvidence) -> str:
+    return with_ci(performance.speedup, performance.speedup_ci95, 3, "f", marks=(1.0,))
+
+
 def claim_rows(evidence: Evidence) -> list[ClaimRow]:
     return [_claim_row(claim) for claim in evidence.claims]
 
@@ -101,20 +106,24 @@ def claim_rows(evidence: Evidence) -> list[ClaimRow]:
 def _claim_row(claim: ClaimEvidence) -> ClaimRow:
     spec = claim.claim
     where = ", ".join(f"{k}={v}" for k, v in (spec.get("where") or {}).items()) or "all cases"
+    marks: tuple[float, ...] = ()
     if spec.get("at_least") is not None:
-        claimed = f">= {spec['at_least']:g}"
+        claimed, marks = f">= {spec['at_least']:g}", (spec["at_least"],)
     elif spec.get("at_most") is not None:
-        claimed = f"<= {spec['at_most']:g}"
+        claimed, marks = f"<= {spec['at_most']:g}", (spec["at_most"],)
     else:
         claimed = "-"
-    ci = f"[{claim.ci95[0]:.4g}, {claim.ci95[1]:.4g}]" if claim.ci95 else "-"
+    measured, ci = fmt(claim.measured), "-"
+    if claim.measured is not None and claim.ci95:
+        measured, low, high = distinct_texts((claim.measured, *claim.ci95, *marks))[:3]
+        ci = f"[{low}, {high}]"
     return ClaimRow(
         description=claim.description,
         metric=str(spec.get("metric", "?")),
         where=where,
         hardware=str(spec.get("hardware") or "any"),
         claimed=claimed,
-        measured=fmt(claim.measured),
+        measured=measured,
         ci95=ci,
         status=claim.status,
         status_words=CLAIM_STATUS_WORDS[claim.status],

@@ -17,6 +17,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoes
 from markupsafe import Markup
 
 from harness.evaluation.evidence import CaseEvidence, Evidence
+from harness.evaluation.stats import with_ci
 from harness.reports import facts
 from harness.reports.facts import SourceInfo
 from harness.reports.plots import LineChart, RefLine, Series, bar_chart, line_chart
@@ -86,19 +87,15 @@ def _case_row(case: CaseEvidence) -> dict[str, object]:
     }
     if perf is not None:
         row |= {  # a median and its interval to the same decimals, as in report.md
-            "stock": _with_ci(perf.stock_us_median, perf.stock_us_ci95, 2),
-            "candidate": _with_ci(perf.candidate_us_median, perf.candidate_us_ci95, 2),
-            "speedup": _with_ci(perf.speedup, perf.speedup_ci95, 3),
+            "stock": with_ci(perf.stock_us_median, perf.stock_us_ci95, 2, "f"),
+            "candidate": with_ci(perf.candidate_us_median, perf.candidate_us_ci95, 2, "f"),
+            "speedup": facts.speedup_with_ci(perf),
             "kernels": facts.kernel_pair(perf),
             "hbm": facts.fmt(perf.candidate_hbm_fraction, 3),
             "pairs": len(perf.candidate_us),
             "method": perf.method,
         }
     return row
-
-
-def _with_ci(value: float, bounds: tuple[float, float], decimals: int) -> str:
-    return f"{value:.{decimals}f} [{bounds[0]:.{decimals}f}, {bounds[1]:.{decimals}f}]"
 
 
 def _error_rows(case: CaseEvidence) -> Iterable[dict[str, object]]:

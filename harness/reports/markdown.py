@@ -142,7 +142,7 @@ def _case_row(case: CaseEvidence) -> str:
         return f"{head} | - | - | - | - |"
     return (
         f"{head} | {perf.stock_us_median:.2f} | {perf.candidate_us_median:.2f} "
-        f"| {perf.speedup:.3f} [{perf.speedup_ci95[0]:.3f}, {perf.speedup_ci95[1]:.3f}] "
+        f"| {facts.speedup_with_ci(perf)} "
         f"| {facts.kernel_pair(perf)} |"
     )
 

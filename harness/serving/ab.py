@@ -23,8 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from harness.evaluation.evidence import ClaimEvidence, ClaimStatus
-from harness.evaluation.stats import median_ci95, speedup_ci95
-from harness.evaluation.verdict import claim_evidence, interval_margin, interval_status
+from harness.evaluation.stats import distinct_texts, median_ci95, speedup_ci95
+from harness.evaluation.verdict import (
+    claim_bound,
+    claim_evidence,
+    interval_margin,
+    interval_status,
+)
 from harness.serving.accuracy import (
     AccuracyResult,
     Completion,
@@ -521,4 +526,5 @@ def _row_reason(row: ABRow, value: float, ci: tuple[float, float], claim: Claim)
         if failed["baseline"] or failed["candidate"]
         else ""
     )
-    return f"{row.id}: {claim.metric} {value:.4g}, 95% CI [{ci[0]:.4g}, {ci[1]:.4g}]{failures}"
+    point, low, high = distinct_texts((value, *ci, claim_bound(claim)))[:3]
+    return f"{row.id}: {claim.metric} {point}, 95% CI [{low}, {high}]{failures}"

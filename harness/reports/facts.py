@@ -43,6 +43,19 @@ ENVIRONMENT_KEYS = (
     ("harness SHA", "harness_sha"),
     ("fingerprint", "fingerprint_hash"),
 )
+# Shown where the run recorded them (the GPU's own details exist on CUDA hosts only).
+ENVIRONMENT_DETAIL_KEYS = (
+    ("compute capability", "compute_capability"),
+    ("SMs", "sm_count"),
+    ("GPU memory (bytes)", "gpu_memory_bytes"),
+    ("L2 cache (bytes)", "l2_cache_bytes"),
+    ("SM clock at start", "sm_clock"),
+    ("SM clock max", "sm_clock_max"),
+    ("memory clock at start", "mem_clock"),
+    ("power limit", "power_limit"),
+    ("NumPy", "numpy"),
+    ("platform", "platform"),
+)
 
 T = TypeVar("T")
 
@@ -231,6 +244,12 @@ def environment_rows(evidence: Evidence, source: SourceInfo | None) -> list[tupl
         if key == "harness_sha" and text.endswith("-dirty"):  # this commit alone is not the code
             text += " (uncommitted changes; the code digest below pins the code that ran)"
         rows.append((label, text))
+    rows += [(label, str(env[key])) for label, key in ENVIRONMENT_DETAIL_KEYS if key in env]
+    named = {key for _, key in ENVIRONMENT_KEYS + ENVIRONMENT_DETAIL_KEYS} | {
+        "host_gpu",
+        "host_gpu_count",
+    }
+    rows += [(key, str(env[key])) for key in sorted(env) if key not in named]  # nothing hidden
     if source is not None and source.kind == "git":
         rows.append(("candidate source", f"{source.url} at {source.sha}"))
     elif source is not None:

@@ -123,6 +123,11 @@ def test_environment_coverage_and_kernels() -> None:
         "| Triton | 3.6.0 |",
         "| CuTe DSL | - |",
         "| vLLM | - |",
+        "| SMs | 132 |",
+        "| L2 cache (bytes) | 62914560 |",
+        "| SM clock at start | 1980 MHz |",
+        "| power limit | 700.00 W |",
+        "| NumPy | 2.5.2 |",
         f"| candidate source | https://example.com/k.git at {SHA} |",
     ):
         assert row in markdown
@@ -218,6 +223,17 @@ def test_a_kl_below_float_rounding_prints_as_its_bound() -> None:
     line = decode_check_line(load("cpu_rmsnorm").model_copy(update={"decode_check": check}))
     assert line is not None
     assert "mean KL(stock || candidate) < 1e-06 nats" in line and "max 0.0125" in line
+
+
+def test_every_recorded_environment_key_is_shown() -> None:
+    """A key the report has no label for (a newer harness's) still shows, under its own name."""
+    evidence = load("h200_claims")
+    evidence = evidence.model_copy(
+        update={"environment": {**evidence.environment, "gpu_uuid": "GPU-1234"}}
+    )
+    markdown = render_markdown(evidence)
+    assert "| gpu_uuid | GPU-1234 |" in markdown
+    assert "| host_gpu |" not in markdown  # already shown as "host GPU kind x count"
 
 
 def test_a_dirty_tree_is_flagged_beside_its_sha() -> None:

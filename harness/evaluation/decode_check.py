@@ -190,8 +190,10 @@ def compare(
     kl = kl_divergence(stock, candidate)
     token_match = float(agree.float().mean())
     mean_kl = float(kl.mean())
-    stock_off = float(kl_divergence(reference, stock).mean())
-    candidate_off = float(kl_divergence(reference, candidate).mean())
+    stock_from_reference = kl_divergence(reference, stock)
+    candidate_from_reference = kl_divergence(reference, candidate)
+    stock_off = float(stock_from_reference.mean())
+    candidate_off = float(candidate_from_reference.mean())
     evidence = evidence.model_copy(
         update={
             "token_match": token_match,
@@ -203,6 +205,9 @@ def compare(
             "candidate_kl_from_reference": candidate_off,
             "stock_tokens": stock.tokens.T.tolist(),
             "candidate_tokens": candidate.tokens.T.tolist(),
+            "kl_by_prompt": kl.T.tolist(),
+            "stock_kl_from_reference_by_prompt": stock_from_reference.T.tolist(),
+            "candidate_kl_from_reference_by_prompt": candidate_from_reference.T.tolist(),
         }
     )
     reasons = []

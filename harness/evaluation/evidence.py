@@ -158,6 +158,10 @@ class DecodeCheckEvidence(Model):
     candidate_kl_from_reference: float | None = None
     stock_tokens: list[list[int]] = []  # per prompt, per step
     candidate_tokens: list[list[int]] = []
+    # per prompt, per step, in nats: every KL figure above is their mean or max
+    kl_by_prompt: list[list[float]] = []  # KL(stock || candidate)
+    stock_kl_from_reference_by_prompt: list[list[float]] = []
+    candidate_kl_from_reference_by_prompt: list[list[float]] = []
 
 
 class RunInfo(Model):

@@ -127,6 +127,25 @@ def test_a_small_constant_error_fails_with_its_numbers() -> None:
     assert any("mean KL" in r for r in result.reasons)
 
 
+def test_every_kl_figure_recomputes_from_the_stored_per_step_values() -> None:
+    """The evidence keeps KL per prompt and step for all three comparisons: the means, the
+    maximum and the per-step curve a report prints are derived, not trusted."""
+    result = decode_check_of("slightly_off_forward")
+    rows = result.kl_by_prompt
+    assert len(rows) == SETTINGS.prompts and all(len(r) == SETTINGS.steps for r in rows)
+    values = [v for row in rows for v in row]
+    assert result.mean_kl == pytest.approx(sum(values) / len(values), rel=1e-12)
+    assert result.max_kl == max(values)
+    columns = list(zip(*rows, strict=True))
+    assert result.kl_per_step == pytest.approx([sum(c) / len(c) for c in columns], rel=1e-12)
+    for stored, mean in (
+        (result.stock_kl_from_reference_by_prompt, result.stock_kl_from_reference),
+        (result.candidate_kl_from_reference_by_prompt, result.candidate_kl_from_reference),
+    ):
+        flat = [v for row in stored for v in row]
+        assert len(flat) == len(values) and mean == pytest.approx(sum(flat) / len(flat), rel=1e-12)
+
+
 def test_a_crashing_candidate_is_a_crashed_check() -> None:
     result = decode_check_of("exits_forward")
     assert result.status == "crashed" and "SystemExit" in result.reasons[0]

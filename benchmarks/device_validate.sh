@@ -14,7 +14,8 @@
 # for more than its idle release (30 s) is taken back, and the run with it (2026-12-04).
 #
 # To continue in a later session: carry pathgate-out/device-validate/checkpoint.json (the
-# device call's `carry`) and run `start` again with the same options, from a tree whose Python
+# device call's `carry`; `wait` keeps the latest one in $OUT, so a call cut off at its limit
+# returns it too) and run `start` again with the same options, from a tree whose Python
 # files (outside the tests) are the checkpoint's: a checkout of the commit it was made on. Any
 # other tree is refused (its code digest).
 set -euo pipefail
@@ -38,11 +39,19 @@ start)
 wait)
     deadline=$((SECONDS + $2))
     pid=$(cat "$PID_FILE")
+    mkdir -p "$OUT"
     while kill -0 "$pid" 2> /dev/null && ((SECONDS < deadline)); do
         sleep 5
+        # a call cut off at its limit still returns what is under $OUT: keep the log and the
+        # latest checkpoint there (whole, through a rename), so a run the device time ran out
+        # on can resume in a later session
+        cp "$LOG" "$OUT/" 2> /dev/null || true
+        if [[ $RUN_DIR/checkpoint.json -nt $OUT/checkpoint.json ]]; then
+            cp "$RUN_DIR/checkpoint.json" "$OUT/checkpoint.json.part" 2> /dev/null &&
+                mv "$OUT/checkpoint.json.part" "$OUT/checkpoint.json" || true
+        fi
     done
     if kill -0 "$pid" 2> /dev/null; then echo "still running"; else echo "finished"; fi
-    mkdir -p "$OUT"
     cp "$LOG" "$OUT/" 2> /dev/null || true
     for name in checkpoint.json evidence.json report.md error.log; do
         cp "$RUN_DIR/$name" "$OUT/" 2> /dev/null || true

@@ -131,6 +131,25 @@ def layer_weights(
     return path.problem.make_weights(case, derive_seed(seed, "weights"), device)  # type: ignore[no-any-return]
 
 
+def changed_weights(
+    path: LoadedPath, case: Case, secret_seed: int, layer_set: LayerSet, device: torch.device
+) -> list[str]:
+    """The timed layers' weights that no longer hold their seeded values, each as "layer N
+    name". Both arms read the same weight tensors, so a candidate that rewrote one while it was
+    timed (the router's bias, sending the stock path's tokens to more experts) would slow the
+    path it is measured against (2026-12-06 review). Made again one layer at a time: the memory
+    of one more layer, not of a copy of them all."""
+    changed = []
+    for layer, (weights, _, _) in enumerate(layer_set.args):
+        seeded = layer_weights(path, case, secret_seed, layer, device)
+        for name, value in seeded.items():
+            held = weights.get(name)
+            if not isinstance(held, torch.Tensor) or not torch.equal(held, value):
+                changed.append(f"layer {layer} {name}")
+        del seeded
+    return changed
+
+
 def _bytes(args: tuple[Tensors, Tensors, Tensors]) -> int:
     return sum(t.numel() * t.element_size() for group in args for t in group.values())
 

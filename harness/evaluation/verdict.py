@@ -23,7 +23,7 @@ from harness.evaluation.evidence import (
     Verdict,
 )
 from harness.evaluation.stats import distinct_texts
-from scopes.manifest import SERVING_METRICS, Claim
+from scopes.manifest import SERVING_METRICS, Claim, ScopeManifest
 
 FAILING_CASE_STATUSES = {"failed", "crashed", "unsupported", "timed_out"}
 # A measured speedup above this is plausible, but too valuable to a cheat to pass unread.
@@ -166,6 +166,43 @@ def interval_margin(claim: Claim, ci: tuple[float, float]) -> float:
     if claim.at_least is not None:
         return ci[0] - claim.at_least
     return (claim.at_most or 0.0) - ci[1]
+
+
+# The correctness standard's fields, and which way each one loosens it.
+LOOSER_WHEN = {
+    "tolerance": {"error_budget": "above", "min_cosine": "below", "abs_floor": "set"},
+    "model_check": {"min_token_match": "below", "max_mean_kl": "above", "kl_budget": "above"},
+}
+
+
+def looser_standard(manifest: ScopeManifest) -> list[str]:
+    """Where the scope holds the candidate to a looser correctness standard than the harness's
+    defaults. The submitter writes the manifest, and an error budget of 1e9 would let any output
+    pass (2026-12-06 review). A looser standard can be right (a path that trades accuracy on
+    purpose), so it goes to a reviewer rather than failing. Declaring non-determinism is not
+    looser: every run must still meet the budget."""
+    reasons = []
+    for section, rules in LOOSER_WHEN.items():
+        settings = getattr(manifest, section)
+        for name, way in rules.items():
+            value, default = getattr(settings, name), type(settings).model_fields[name].default
+            if _looser(value, default, way):
+                harness_value = "own, derived from each output's dtype"
+                if default is not None:
+                    harness_value = f"{default:g}"
+                reasons.append(
+                    f"the scope sets {section}.{name} to {value:g}, looser than the harness's "
+                    f"{harness_value}: a reviewer must accept that standard before this passes"
+                )
+    return reasons
+
+
+def _looser(value: float | None, default: float | None, way: str) -> bool:
+    if way == "set":
+        return value is not None
+    if value is None or default is None:
+        return False
+    return value > default if way == "above" else value < default
 
 
 def review_reasons(cases: list[CaseEvidence]) -> list[str]:

@@ -18,6 +18,7 @@ from harness.evaluation.evidence import (
     PerformanceEvidence,
 )
 from harness.evaluation.stats import distinct_texts, with_ci
+from scopes.manifest import Tolerance
 
 # A speedup above this is possible (a fused kernel replacing a dozen launches) but rare enough
 # that a maintainer should look at how it was measured before believing it.
@@ -92,6 +93,7 @@ class CorrectnessSummary:
     worst_case: str | None
     probes: int
     probes_passed: int
+    standard: str  # what the candidate was held to, from the manifest the run used
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,19 @@ def correctness_summary(evidence: Evidence) -> CorrectnessSummary:
         worst_case=worst.id if worst else None,
         probes=len(evidence.probes),
         probes_passed=sum(p.status == "passed" for p in evidence.probes),
+        standard=correctness_standard(evidence.manifest),
+    )
+
+
+def correctness_standard(manifest: dict[str, Any]) -> str:
+    """The scope's tolerance in words: the submitter sets it, so the reader must see it (a
+    looser one than the harness's defaults also sends the verdict to a reviewer)."""
+    tolerance = Tolerance.model_validate(manifest.get("tolerance") or {})
+    floor = f"{tolerance.abs_floor:g}" if tolerance.abs_floor is not None else "eps/8 of its dtype"
+    return (
+        f"error at most {tolerance.error_budget:g}x the stock path's (relative floor {floor}), "
+        f"cosine at least {tolerance.min_cosine:g}, "
+        + ("the same result twice" if tolerance.deterministic else "non-deterministic declared")
     )
 
 

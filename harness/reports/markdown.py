@@ -90,6 +90,7 @@ def _correctness(evidence: Evidence) -> list[str]:
         "",
         f"{summary.passed} of {summary.cases} in-scope cases passed, {summary.failed} failed; "
         f"guard right on {summary.probes_passed} of {summary.probes} out-of-scope probes.",
+        f"Held to: {summary.standard}.",
     ]
     if summary.worst_case is not None:
         lines.append(

@@ -169,6 +169,12 @@ ATTACKS = (
         timeout_s=LOOP_TIMEOUT_S,
     ),
     Attack("data_race", "racing threads write the output", ("FAIL",), ("non-deterministic",)),
+    Attack(
+        "rewrites_weights",
+        "rewrites the shared weights the stock path is timed on, computes from a copy",
+        ("FAIL",),
+        ("weights changed while both paths were timed",),
+    ),
 )
 
 

@@ -229,11 +229,17 @@ def test_sloppy_accuracy_fails_the_error_budget() -> None:
     assert_probes_pass(evidence)
 
 
-def test_sloppy_accuracy_passes_a_loose_budget() -> None:
+def test_sloppy_accuracy_meets_a_loose_budget_and_goes_to_a_reviewer() -> None:
     """The sloppy path is merely inaccurate: with a budget of 50x (and a cosine floor it meets)
-    it passes, so the failure above is the budget."""
+    every case passes, so the failure above is the budget; and a standard that loose is the
+    submitter's own, so the verdict waits for a reviewer instead of passing."""
     evidence = run("sloppy_bf16_forward", error_budget=50.0, min_cosine=0.999)
-    assert evidence.verdict == "PASS", evidence.verdict_reasons
+    assert all(c.status == "passed" for c in evidence.cases)
+    assert evidence.verdict == "NEEDS_REVIEW"
+    assert [r.split(" to ")[0] for r in evidence.verdict_reasons] == [
+        "the scope sets tolerance.error_budget",
+        "the scope sets tolerance.min_cosine",
+    ]
 
 
 def test_guard_accepting_everything_fails_every_probe() -> None:

@@ -3,6 +3,8 @@ FAIL > NEEDS_REVIEW > INCONCLUSIVE > PASS."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from harness.evaluation.evidence import (
@@ -14,8 +16,8 @@ from harness.evaluation.evidence import (
     ProbeEvidence,
     TrialEvidence,
 )
-from harness.evaluation.verdict import check_claim, decide
-from scopes.manifest import Claim
+from harness.evaluation.verdict import check_claim, decide, looser_standard
+from scopes.manifest import Claim, load_manifest_file
 
 
 def _perf(
@@ -237,3 +239,45 @@ def test_the_hbm_fraction_is_floor_time_over_measured_time() -> None:
     assert hbm_fraction(4_000, 1.0, 4e9) == pytest.approx(1.0)
     assert hbm_fraction(4_000, 4.0, 4e9) == pytest.approx(0.25)
     assert hbm_fraction(None, 1.0, 4e9) is None and hbm_fraction(4_000, 1.0, None) is None
+
+
+def test_a_correctness_standard_looser_than_the_defaults_goes_to_a_reviewer() -> None:
+    """The submitter writes the manifest: each field loosened is named, the defaults and
+    stricter values are not, and a declared non-determinism is no looser standard."""
+    shipped = load_manifest_file(Path(__file__).parents[2] / "scopes/fused-add-rmsnorm-h200.yaml")
+    assert looser_standard(shipped) == []
+    stricter = shipped.model_copy(
+        update={
+            "tolerance": shipped.tolerance.model_copy(
+                update={"error_budget": 1.5, "min_cosine": 0.99999, "deterministic": False}
+            ),
+            "model_check": shipped.model_check.model_copy(update={"max_mean_kl": 1e-4}),
+        }
+    )
+    assert looser_standard(stricter) == []
+    loose = shipped.model_copy(
+        update={
+            "tolerance": shipped.tolerance.model_copy(
+                update={"error_budget": 1e9, "min_cosine": 1e-6, "abs_floor": 0.5}
+            ),
+            "model_check": shipped.model_check.model_copy(
+                update={"min_token_match": 0.001, "max_mean_kl": 1e9, "kl_budget": 1e9}
+            ),
+        }
+    )
+    reasons = looser_standard(loose)
+    assert [r.split(" to ")[0] for r in reasons] == [
+        f"the scope sets {field}"
+        for field in (
+            "tolerance.error_budget",
+            "tolerance.min_cosine",
+            "tolerance.abs_floor",
+            "model_check.min_token_match",
+            "model_check.max_mean_kl",
+            "model_check.kl_budget",
+        )
+    ]
+    assert "to 1e+09, looser than the harness's 2:" in reasons[0]
+    assert "derived from each output's dtype" in reasons[2]
+    verdict, why = decide([_case(1, None)], [PROBE_OK], [], [], review=reasons)
+    assert verdict == "NEEDS_REVIEW" and why == reasons

@@ -111,6 +111,17 @@ def test_correctness_summary_names_the_failing_case_and_worst_ratio() -> None:
     assert f"at `{failed[0].id}`" in section
     assert failed[0].correctness is not None
     assert f"{failed[0].correctness.worst_error_ratio:.3g}" in section
+    tolerance = evidence.manifest["tolerance"]
+    assert (
+        f"Held to: error at most {tolerance['error_budget']:g}x the stock path's (relative floor "
+        f"eps/8 of its dtype), cosine at least {tolerance['min_cosine']:g}, the same result twice."
+    ) in section
+    loose = evidence.model_copy(
+        update={
+            "manifest": {**evidence.manifest, "tolerance": {**tolerance, "deterministic": False}}
+        }
+    )
+    assert "non-deterministic declared." in render_markdown(loose)
 
 
 def test_environment_coverage_and_kernels() -> None:

@@ -720,7 +720,7 @@ MOE_TILES_SMALL = [
     (64, 128, 32, 128, 4, 4, 1, 1, 132),  # 1 per SM (4 stages of (128 + 16) x 128)
     (64, 128, 32, 128, 4, 3, 1, 1, 264),
 ]
-# Above batch 16 the 2026-12-03 sweeps (docs/runs/2026-12-03-worklist/moe.json) had the plan
+# Above batch 16 the 2026-12-03 sweeps (docs/runs/2026-12-03-worklist/moe.json.gz) had the plan
 # within 2% of every other gate_up tiling, and narrower down programs 38% slower. The ninth
 # session's profile had the down kernel at about 0.7 of the gate_up's bandwidth at batch 64,
 # so the rest vary the down kernel: its K split over 2 or 4 programs (each sums its share of

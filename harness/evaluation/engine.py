@@ -474,14 +474,12 @@ def measure_case(
     candidate_eager = eager_us(path.candidate, layer_set, device)
     rewritten = changed_weights(path, case, secret_seed, layer_set, device)
     refresh_inputs(path, case, layer_set, derive_seed(seed, "after timing"), device)
-    stale = (
-        [
+    stale = []
+    if rewritten:
+        stale.append(
             f"the layers' weights changed while both paths were timed ({', '.join(rewritten)}): "
             "the stock path read what the candidate left there"
-        ]
-        if rewritten
-        else []
-    )
+        )
     stale += replay_mismatches(
         candidate_steps,
         path.candidate,

@@ -47,6 +47,9 @@ def main() -> int:
 def _row(attack: Attack, got: Got, seconds: float) -> dict[str, object]:
     if "blocked" in attack.reasons:
         detail = "blocked" if got.observed.get("blocked") else f"NOT blocked: {got.observed}"
+    elif attack.max_speedup is not None:
+        fastest = f"{max(got.speedups):.2f}x" if got.speedups else "none measured"
+        detail = f"largest speedup {fastest} (caught at or below {attack.max_speedup}x)"
     else:
         wanted = [r for r in got.reasons if any(w in r for w in attack.reasons)] or got.reasons
         detail = wanted[0] if wanted else ""

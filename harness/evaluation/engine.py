@@ -77,6 +77,7 @@ from harness.evaluation.timing import (
     speedup_interval,
     step_runners,
     wall_us_per_layer,
+    watched_replays,
 )
 from harness.evaluation.verdict import check_claim, decide, looser_standard
 from scopes.manifest import ScopeManifest
@@ -446,7 +447,18 @@ def measure_case(
     seed = derive_seed(secret_seed, case.id, "bootstrap")
     refresh_inputs(path, case, layer_set, derive_seed(seed, "before timing"), device)
     bytes_moved = _bytes_moved(path, case, layer_set, secret_seed, device)  # the timed inputs
-    timing = sample_interleaved(stock_steps, candidate_steps, layer_set, device, stop, seed, sync)
+    tolerance = manifest.tolerance
+    watched = watched_replays(
+        path.candidate,
+        layer_set,
+        device,
+        tolerance.min_cosine,
+        tolerance.deterministic,
+        path.problem,
+    )
+    timing = sample_interleaved(
+        stock_steps, candidate_steps, layer_set, device, stop, seed, sync, watched
+    )
     # The profile, the wall clock and the eager times run on the timed inputs: their work (a
     # MoE's active experts) is the events' work, so a cross-check compares like with like.
     # (With fresh inputs first, a batch-4 case whose timed draw routed to fewer local experts
@@ -480,13 +492,17 @@ def measure_case(
             f"the layers' weights changed while both paths were timed ({', '.join(rewritten)}): "
             "the stock path read what the candidate left there"
         )
+    stale += timing.watched_problems[:1]
+    if len(timing.watched_problems) > 1:
+        stale.append(f"so did {len(timing.watched_problems) - 1} more of {timing.watched}")
     stale += replay_mismatches(
         candidate_steps,
         path.candidate,
         layer_set,
         device,
-        manifest.tolerance.min_cosine,
+        tolerance.min_cosine,
         path.problem,
+        tolerance.deterministic,
     )
     performance = PerformanceEvidence(
         method=timing.method,
@@ -514,6 +530,7 @@ def measure_case(
         stock_wall_us_per_layer=stock_wall,
         candidate_wall_us_per_layer=candidate_wall,
         integrity_flags=flags,
+        watched_replays=timing.watched,
     )
     return performance, stale, timing
 

@@ -100,6 +100,9 @@ class PerformanceEvidence(Model):
     # Independent clock: replays between two device-wide synchronizations, host wall clock.
     stock_wall_us_per_layer: float | None = None
     candidate_wall_us_per_layer: float | None = None
+    # Timed candidate replays whose outputs were compared with its eager result (one per batch
+    # of pairs, picked at random); None in evidence from before that check.
+    watched_replays: int | None = None
     # Cross-checks that disagree with the event timing: each sends the verdict to review.
     integrity_flags: list[str] = []
 

@@ -10,8 +10,8 @@ loop times eager calls with the host clock; those numbers are not GPU evidence.
 
 from __future__ import annotations
 
-import itertools
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ from harness.evaluation.correctness import (
     REFERENCE_DTYPE,
     cosine_similarity,
     pooled_comparable_rows,
+    relative_error,
 )
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.plan import derive_seed
@@ -64,6 +65,30 @@ class Timing:
     candidate_us: list[float] = field(default_factory=list)
     capture_index: list[int] = field(default_factory=list)  # which capture each pair used
     stop_reason: str = ""
+    watched: int = 0  # timed candidate replays whose outputs were compared (one per batch)
+    watched_problems: list[str] = field(default_factory=list)  # why those disagreed
+
+
+@dataclass
+class WatchedReplays:
+    """Holds the timed replays themselves to account (2026-12-06 review). Every timed call of
+    either arm starts on outputs poisoned with NaN, outside its events, so a capture that does
+    its work only when its outputs look checked does it in every timed call; and one candidate
+    replay per batch, picked by a generator the candidate cannot seed, has its outputs copied
+    outside the events and compared with the candidate's own eager result on the same inputs.
+    `judge(copied outputs)`: why they are wrong, None when they are right."""
+
+    poison: Callable[[], None]
+    outputs: list[Tensors]
+    judge: Callable[[list[Tensors]], str | None]
+    copied: list[Tensors] = field(default_factory=list)
+
+    def copy(self) -> None:
+        self.copied = [{n: t.clone() for n, t in outputs.items()} for outputs in self.outputs]
+
+    def verdict(self) -> str | None:
+        copied, self.copied = self.copied, []
+        return self.judge(copied) if copied else "was never copied"
 
 
 def layers_for(bytes_per_layer: int, device: torch.device, max_layers: int) -> int:
@@ -162,21 +187,29 @@ def sample_interleaved(
     stop: StopRule,
     seed: int,
     sync: RankSync | None = None,
+    watched: WatchedReplays | None = None,
 ) -> Timing:
     """A B, B A, ... in batches, until the speedup CI is narrow enough or time runs out.
 
     stock and candidate hold one step runner per capture; batch k uses capture k % captures.
-    On N ranks every batch starts aligned.
+    On N ranks every batch starts aligned. `watched`: the timed replays checked as they run.
     """
     method = "cuda-graph" if device.type == "cuda" else "cpu-host-clock"
     timing = Timing(method, len(layer_set.args), layer_set.working_set_bytes)
     started = time.perf_counter()
+    pick = random.SystemRandom()  # os.urandom: no seed the candidate could know or set
     batch = 0
     while True:
         capture = batch % len(stock)
         if sync is not None:
             sync.align()
-        new_pairs = timed_pairs(stock[capture], candidate[capture], stop.pairs_per_batch, device)
+        poison = watched.poison if watched else None
+        watch = (pick.randrange(stop.pairs_per_batch), watched.copy) if watched else None
+        new_pairs = timed_pairs(
+            stock[capture], candidate[capture], stop.pairs_per_batch, device, poison, watch
+        )
+        if watched:
+            _judge_watched(timing, watched, batch, capture)
         for stock_us, candidate_us in new_pairs:
             timing.stock_us.append(stock_us / timing.layers)
             timing.candidate_us.append(candidate_us / timing.layers)
@@ -197,6 +230,55 @@ def sample_interleaved(
                 )
         if timing.stop_reason:
             return timing
+
+
+def _judge_watched(timing: Timing, watched: WatchedReplays, batch: int, capture: int) -> None:
+    timing.watched += 1
+    problem = watched.verdict()
+    if problem and not timing.watched_problems:  # the first one tells the story
+        timing.watched_problems.append(
+            f"a timed replay of the candidate (batch {batch}, capture {capture}) {problem}: "
+            "work done only when it is checked, or outputs cached"
+        )
+    elif problem:
+        timing.watched_problems.append(f"batch {batch}")
+
+
+def output_poisoner(layer_set: LayerSet, device: torch.device) -> Callable[[], None]:
+    """A call that fills every layer's outputs with NaN: on CUDA one captured graph (a single
+    launch between two timed replays), on CPU plain fills."""
+
+    def fill() -> None:
+        for _, _, outputs in layer_set.args:
+            for tensor in outputs.values():
+                tensor.fill_(float("nan"))
+
+    if device.type != "cuda":
+        return fill
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fill()
+    return graph.replay
+
+
+def watched_replays(
+    candidate_fn: PathFn,
+    layer_set: LayerSet,
+    device: torch.device,
+    min_cosine: float,
+    exact: bool,
+    problem: object = None,
+) -> WatchedReplays:
+    """The check of the timed replays, against the candidate's eager outputs on the inputs
+    the layers hold now (the timed inputs)."""
+    expected = _eager_outputs(candidate_fn, layer_set, device)
+    keeps = pooled_comparable_rows(problem, [(w, i) for w, i, _ in layer_set.args])
+
+    def judge(copied: list[Tensors]) -> str | None:
+        return _first_disagreement(copied, expected, min_cosine, keeps, exact)
+
+    outputs = [outputs for _, _, outputs in layer_set.args]
+    return WatchedReplays(output_poisoner(layer_set, device), outputs, judge)
 
 
 def step_runners(
@@ -230,14 +312,27 @@ def capture_spread(samples_us: list[float], capture_index: list[int]) -> float:
 
 
 def timed_pairs(
-    a: Callable[[], None], b: Callable[[], None], count: int, device: torch.device
+    a: Callable[[], None],
+    b: Callable[[], None],
+    count: int,
+    device: torch.device,
+    between: Callable[[], None] | None = None,
+    watch: tuple[int, Callable[[], None]] | None = None,
 ) -> list[tuple[float, float]]:
-    """`count` (a_us, b_us) pairs, run strictly alternating; odd pairs run b first."""
-    clock = _cuda_intervals if device.type == "cuda" else _host_intervals
+    """`count` (a_us, b_us) pairs, run strictly alternating; odd pairs run b first.
+
+    `between` runs before every call, outside its timed interval (the engine poisons the
+    outputs there); `watch` = (pair index, function): the function runs right after that
+    pair's b call, outside the timed intervals (the engine copies the outputs there)."""
     calls = []
     for i in range(count):
         calls += [a, b] if i % 2 == 0 else [b, a]
-    times = clock(calls)
+    after: dict[int, Callable[[], None]] = {}
+    if watch is not None:
+        pair, function = watch
+        after[2 * pair + (1 if pair % 2 == 0 else 0)] = function
+    clock = _cuda_intervals if device.type == "cuda" else _host_intervals
+    times = clock(calls, between or _nothing, after)
     pairs = []
     for i in range(count):
         first, second = times[2 * i], times[2 * i + 1]
@@ -245,24 +340,42 @@ def timed_pairs(
     return pairs
 
 
-def _cuda_intervals(calls: list[Callable[[], None]]) -> list[float]:
-    """Microseconds of each call between CUDA events, all enqueued before one synchronize."""
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)]
+def _nothing() -> None:
+    return None
+
+
+def _cuda_intervals(
+    calls: list[Callable[[], None]],
+    between: Callable[[], None],
+    after: dict[int, Callable[[], None]],
+) -> list[float]:
+    """Microseconds of each call between its own two CUDA events, all enqueued before one
+    synchronize; `between` and `after[index]` are enqueued outside the events."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in calls]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in calls]
     torch.cuda._sleep(2_000_000)  # the GPU spins (~1 ms) while the host enqueues ahead of it
-    events[0].record()
-    for call, end in zip(calls, events[1:], strict=True):
+    for index, (call, start, end) in enumerate(zip(calls, starts, ends, strict=True)):
+        between()
+        start.record()
         call()
         end.record()
+        after.get(index, _nothing)()
     torch.cuda.synchronize()
-    return [1000.0 * start.elapsed_time(end) for start, end in itertools.pairwise(events)]
+    return [1000.0 * start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
 
 
-def _host_intervals(calls: list[Callable[[], None]]) -> list[float]:
+def _host_intervals(
+    calls: list[Callable[[], None]],
+    between: Callable[[], None],
+    after: dict[int, Callable[[], None]],
+) -> list[float]:
     times = []
-    for call in calls:
+    for index, call in enumerate(calls):
+        between()
         started = time.perf_counter()
         call()
         times.append(1e6 * (time.perf_counter() - started))
+        after.get(index, _nothing)()
     return times
 
 
@@ -322,11 +435,13 @@ def replay_mismatches(
     device: torch.device,
     min_cosine: float,
     problem: object = None,
+    exact: bool = False,
 ) -> list[str]:
     """Each candidate capture replayed into NaN-poisoned outputs, after the inputs were
     refreshed, against the candidate's own eager call on copies of the same inputs: every output
-    written, finite, and as close to the eager result as correctness demands (cosine). A capture
-    that replays cached outputs, or holds only part of the work, disagrees with it.
+    written, finite, and as close to the eager result as correctness demands (cosine; the same
+    bits where the scope says the path is deterministic). A capture that replays cached
+    outputs, or holds only part of the work, disagrees with it.
 
     The candidate's own eager call is the yardstick, not the stock path: two paths that round
     differently may route a near-tie MoE token differently, which is not a stale output. Whether
@@ -340,7 +455,7 @@ def replay_mismatches(
     reasons = []
     for index, step in enumerate(candidate):
         got = _replayed_outputs(step, layer_set, device)
-        problem_text = _first_disagreement(got, expected, min_cosine, keeps)
+        problem_text = _first_disagreement(got, expected, min_cosine, keeps, exact)
         if problem_text:
             reasons.append(
                 f"after the timed runs, on fresh inputs, capture {index} of the candidate "
@@ -380,11 +495,24 @@ def _first_disagreement(
     expected: list[Tensors],
     min_cosine: float,
     keeps: list[dict[str, torch.Tensor]],
+    exact: bool = False,
 ) -> str | None:
+    """`exact`: the same bits (a deterministic path replays the kernels it ran eagerly, so a
+    capture that computes something cheaper but close, weights requantized while it was
+    captured, differs); else a cosine of at least min_cosine outside the near-tie rows."""
     for layer, (mine, theirs, keep) in enumerate(zip(got, expected, keeps, strict=True)):
         for name, value in mine.items():
             if not bool(value.isfinite().all()):
                 return f"left layer {layer}'s '{name}' unwritten or non-finite"
+            if exact:
+                differ = int((value != theirs[name]).sum())
+                if differ:
+                    return (
+                        f"gave layer {layer}'s '{name}' other bits than its own eager result on "
+                        f"the same inputs in {differ} of {value.numel()} elements (the scope "
+                        "says the path is deterministic)"
+                    )
+                continue
             rows = keep.get(name)
             if rows is not None:
                 value, reference = value[rows], theirs[name][rows]
@@ -395,6 +523,15 @@ def _first_disagreement(
                 return (
                     f"gave layer {layer}'s '{name}' a cosine of {cosine:.4f} to its own eager "
                     f"result on the same inputs (at least {min_cosine} needed)"
+                )
+            # A cosine sees directions only (a halved output has cosine 1): the size must agree
+            # as closely, sqrt(2 (1 - cosine)) being the distance of two unit vectors.
+            allowed = math.sqrt(2 * (1 - min_cosine))
+            error = relative_error(value, reference.to(REFERENCE_DTYPE))
+            if not error <= allowed:
+                return (
+                    f"gave layer {layer}'s '{name}' a relative error of {error:.3g} to its own "
+                    f"eager result on the same inputs (at most {allowed:.3g}, as the cosine floor)"
                 )
     return None
 

@@ -41,6 +41,8 @@ class Attack:
     supports: str = HONEST_GUARD
     timeout_s: float | None = None
     note: str = ""
+    # An attack that gains only time: caught when no case's measured speedup exceeds this.
+    max_speedup: float | None = None
 
     @property
     def entry_point(self) -> str:
@@ -170,6 +172,17 @@ ATTACKS = (
     ),
     Attack("data_race", "racing threads write the output", ("FAIL",), ("non-deterministic",)),
     Attack(
+        "skips_unless_poisoned",
+        "does the work only when its outputs look checked (poisoned), else leaves them",
+        ("PASS",),
+        (),
+        devices=("cpu",),
+        max_speedup=1.0,
+        note="honest arithmetic when it computes: caught means its timed calls all did the work "
+        "(it calls the stock path, so its speedup stays near 1; skipping, it measured several "
+        "times the stock's speed). On a GPU the same needs a kernel that exits early",
+    ),
+    Attack(
         "rewrites_weights",
         "rewrites the shared weights the stock path is timed on, computes from a copy",
         ("FAIL",),
@@ -184,9 +197,14 @@ class Got:
     reasons: list[str]
     observed: dict[str, Any] = field(default_factory=dict)  # what the attack itself recorded
     warnings: list[str] = field(default_factory=list)  # the pre-screen's findings
+    speedups: list[float] = field(default_factory=list)  # each measured case's
 
     def caught(self, attack: Attack) -> bool:
         if self.outcome not in attack.expected:
+            return False
+        if attack.max_speedup is not None and not (
+            self.speedups and max(self.speedups) <= attack.max_speedup
+        ):
             return False
         if "blocked" in attack.reasons:
             return self.observed.get("blocked") is True
@@ -235,7 +253,8 @@ def run_attack(attack: Attack, device: str, workdir: Path) -> Got:
             reasons += [
                 f"case {c.id} origin {c.origin}: {r}" for c in evidence.cases for r in c.reasons
             ]
-            return Got(evidence.verdict, reasons, observed, list(evidence.warnings))
+            speedups = [c.performance.speedup for c in evidence.cases if c.performance]
+            return Got(evidence.verdict, reasons, observed, list(evidence.warnings), speedups)
         case ChildTimedOut(after_s=after_s):
             return Got("timed_out", [f"killed at the {after_s:.0f} s limit"], observed)
         case ChildCrashed(error=error, exit_code=code):

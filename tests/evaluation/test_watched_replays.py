@@ -1,0 +1,182 @@
+"""The timed replays are checked as they run (2026-12-06 review): every timed call of either
+arm starts on outputs poisoned outside its interval, and one candidate call per batch, picked
+where the candidate cannot see, is compared with the candidate's own eager result: the same bits
+where the scope says the path is deterministic, the cosine floor where it does not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from harness.evaluation import engine
+from harness.evaluation.cases import Case
+from harness.evaluation.loading import load_path
+from harness.evaluation.timing import (
+    LayerSet,
+    StopRule,
+    sample_interleaved,
+    timed_pairs,
+    watched_replays,
+)
+from kernels.fused_add_rmsnorm import stock
+from kernels.fused_add_rmsnorm.problem import Problem
+from tests.evaluation.test_engine_catches import make_manifest
+
+CPU = torch.device("cpu")
+STOP = StopRule(min_pairs=6, max_pairs=6, pairs_per_batch=3, captures=1)
+
+
+def _spin(seconds: float, log: list[str], name: str):  # type: ignore[no-untyped-def]
+    def call() -> None:
+        log.append(name)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    return call
+
+
+def test_the_work_between_and_after_calls_stays_outside_their_intervals() -> None:
+    log: list[str] = []
+    a, b = _spin(0.001, log, "a"), _spin(0.001, log, "b")
+    pairs = timed_pairs(a, b, 2, CPU, _spin(0.004, log, "poison"), (1, _spin(0.004, log, "copy")))
+    # pair 1 runs b first: the copy follows that b call, before pair 1's a
+    assert log == ["poison", "a", "poison", "b", "poison", "b", "copy", "poison", "a"]
+    assert all(900 < us < 3000 for pair in pairs for us in pair), pairs
+
+
+def _layer_set(batch: int = 4, layers: int = 2) -> LayerSet:
+    problem = Problem({"hidden": 64})
+    case = Case(batch, None, 1, 1, "bfloat16", "cpu")
+    args = [
+        (
+            problem.make_weights(case, 10 + layer, CPU),
+            problem.make_inputs(case, 20 + layer, CPU),
+            problem.make_outputs(case, CPU),
+        )
+        for layer in range(layers)
+    ]
+    return LayerSet(args, 0)
+
+
+def _steps(fn, layer_set: LayerSet):  # type: ignore[no-untyped-def]
+    def step() -> None:
+        for weights, inputs, outputs in layer_set.args:
+            fn(weights, inputs, outputs)
+
+    return [step]
+
+
+def test_every_timed_call_of_both_arms_starts_on_poisoned_outputs() -> None:
+    layer_set = _layer_set()
+    seen: list[bool] = []
+
+    def looking(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
+        seen.append(all(bool(t.isnan().all()) for t in out.values()))
+        stock.forward(weights, inputs, out)
+
+    watched = watched_replays(stock.forward, layer_set, CPU, 0.9999, exact=True)
+    steps = _steps(looking, layer_set)
+    timing = sample_interleaved(steps, steps, layer_set, CPU, STOP, 1, None, watched)
+    assert len(seen) == 2 * 6 * 2 and all(seen)  # 2 arms x 6 pairs x 2 layers
+    assert timing.watched == 2 and timing.watched_problems == []
+
+
+def _wrong_while_timed(scale: float):  # type: ignore[no-untyped-def]
+    """Right on its first call per layer (the eager yardstick), then scaled."""
+    calls = {"n": 0}
+
+    def forward(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
+        stock.forward(weights, inputs, out)
+        calls["n"] += 1
+        if calls["n"] > 2:
+            out["out"].mul_(scale)
+
+    return forward
+
+
+@pytest.mark.parametrize(
+    ("scale", "exact", "wanted"),
+    [
+        (-1.0, False, "cosine"),
+        (0.5, False, "relative error"),  # a halved output: cosine 1, but not the size
+        (1.0 + 2**-7, True, "other bits"),  # one bf16 step larger: close, but not the same bits
+    ],
+)
+def test_a_timed_replay_that_differs_from_the_eager_result_is_named(
+    scale: float, exact: bool, wanted: str
+) -> None:
+    layer_set = _layer_set()
+    candidate = _wrong_while_timed(scale)
+    watched = watched_replays(candidate, layer_set, CPU, 0.9999, exact)
+    timing = sample_interleaved(
+        _steps(stock.forward, layer_set),
+        _steps(candidate, layer_set),
+        layer_set,
+        CPU,
+        STOP,
+        1,
+        None,
+        watched,
+    )
+    first, *rest = timing.watched_problems
+    assert "a timed replay of the candidate (batch 0, capture 0)" in first and wanted in first
+    assert rest == ["batch 1"]
+
+
+def test_exactness_catches_what_the_cosine_lets_through() -> None:
+    """The requantized capture of the review: a close, cheaper result (0.5% off in size, within
+    the cosine floor's closeness)."""
+    for exact, caught in ((False, False), (True, True)):
+        layer_set = _layer_set()
+        candidate = _wrong_while_timed(1.005)
+        watched = watched_replays(candidate, layer_set, CPU, 0.9999, exact)
+        timing = sample_interleaved(
+            _steps(stock.forward, layer_set),
+            _steps(candidate, layer_set),
+            layer_set,
+            CPU,
+            STOP,
+            1,
+            None,
+            watched,
+        )
+        assert bool(timing.watched_problems) == caught
+
+
+def test_measure_case_fails_a_case_whose_timed_replays_were_wrong(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A candidate wrong only while it is timed (here: the sampling itself flips it) passes
+    every check before and after the timing; the watched replays name it."""
+    from tests.fixtures import bad_paths
+
+    timing_now = {"on": False}
+    real = engine.sample_interleaved
+
+    def flagged(*args: object, **kwargs: object) -> object:
+        timing_now["on"] = True
+        try:
+            return real(*args, **kwargs)
+        finally:
+            timing_now["on"] = False
+
+    def wrong_while_sampled(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
+        stock.forward(weights, inputs, out)
+        if timing_now["on"]:
+            out["out"].neg_()
+
+    monkeypatch.setattr(engine, "sample_interleaved", flagged)
+    monkeypatch.setattr(bad_paths, "honest_forward", wrong_while_sampled)
+    manifest = make_manifest("honest_forward")
+    stop = StopRule(min_pairs=4, max_pairs=4, pairs_per_batch=2, captures=1)
+    case = Case(3, None, 1, 1, "bfloat16", "cpu")
+    performance, stale, _ = engine.measure_case(
+        load_path(manifest), case, 7, stop, 2, CPU, manifest
+    )
+    assert performance.watched_replays == 2
+    assert len(stale) == 2, stale
+    assert "a timed replay of the candidate" in stale[0] and "other bits" in stale[0]
+    assert stale[1] == "so did 1 more of 2"

@@ -80,8 +80,8 @@ def test_every_timed_call_of_both_arms_starts_on_poisoned_outputs() -> None:
     watched = watched_replays(stock.forward, layer_set, CPU, 0.9999, exact=True)
     steps = _steps(looking, layer_set)
     timing = sample_interleaved(steps, steps, layer_set, CPU, STOP, 1, None, watched)
-    assert len(seen) == 2 * 6 * 2 and all(seen)  # 2 arms x 6 pairs x 2 layers
-    assert timing.watched == 2 and timing.watched_problems == []
+    assert len(seen) == 2 * (3 + 6) * 2 and all(seen)  # 2 arms x (warm-up + 6) pairs x 2 layers
+    assert timing.watched == 1 + 2 and timing.watched_problems == []
 
 
 def _wrong_while_timed(scale: float):  # type: ignore[no-untyped-def]
@@ -123,7 +123,7 @@ def test_a_timed_replay_that_differs_from_the_eager_result_is_named(
     )
     first, *rest = timing.watched_problems
     assert "a timed replay of the candidate (batch 0, capture 0)" in first and wanted in first
-    assert rest == ["batch 1"]
+    assert rest == ["batch 1", "batch 2"]  # a warm-up batch and two sampled
 
 
 def test_exactness_catches_what_the_cosine_lets_through() -> None:
@@ -176,7 +176,7 @@ def test_measure_case_fails_a_case_whose_timed_replays_were_wrong(
     performance, stale, _ = engine.measure_case(
         load_path(manifest), case, 7, stop, 2, CPU, manifest
     )
-    assert performance.watched_replays == 2
+    assert performance.watched_replays == 3  # a warm-up batch and two sampled
     assert len(stale) == 2, stale
     assert "a timed replay of the candidate" in stale[0] and "other bits" in stale[0]
-    assert stale[1] == "so did 1 more of 2"
+    assert stale[1] == "so did 2 more of 3"

@@ -143,7 +143,8 @@ def test_on_ranks_every_batch_of_timed_pairs_starts_aligned() -> None:
     timing = sample_interleaved(stock, candidate, layer_set, torch.device("cpu"), stop, 1, sync)
     assert len(timing.stock_us) == 6
     batches = "".join("|" if e == "align" else e[0] for e in events).split("|")
-    assert batches == ["", "sccs", "sccs", "sccs"]  # A B, B A: three batches, each aligned
+    # A B, B A: a warm-up batch and three sampled, each aligned
+    assert batches == ["", "sccs", "sccs", "sccs", "sccs"]
 
 
 def _claiming(manifest: ScopeManifest, where: dict) -> ScopeManifest:

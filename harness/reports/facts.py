@@ -94,6 +94,7 @@ class CorrectnessSummary:
     probes: int
     probes_passed: int
     standard: str  # what the candidate was held to, from the manifest the run used
+    watched_replays: int | None  # timed replays compared as they ran; None: before that check
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,19 @@ def correctness_summary(evidence: Evidence) -> CorrectnessSummary:
         probes=len(evidence.probes),
         probes_passed=sum(p.status == "passed" for p in evidence.probes),
         standard=correctness_standard(evidence.manifest),
+        watched_replays=watched_replays(evidence),
     )
+
+
+def watched_replays(evidence: Evidence) -> int | None:
+    """Timed candidate replays compared with its eager result while they were timed, over all
+    cases; None where no case recorded the count (evidence from before the check)."""
+    counts = [
+        c.performance.watched_replays
+        for c in evidence.cases
+        if c.performance and c.performance.watched_replays is not None
+    ]
+    return sum(counts) if counts else None
 
 
 def correctness_standard(manifest: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ warnings, coverage, environment, the reproduce command, and under GitHub's limit
 from __future__ import annotations
 
 from harness.reports.facts import SourceInfo
+from harness.reports.html import render_report_page
 from harness.reports.markdown import GITHUB_LIMIT_CHARS, MAX_CASE_ROWS, render_markdown
 from tests.reports.evidence_fixtures import load, many_cases
 
@@ -122,6 +123,22 @@ def test_correctness_summary_names_the_failing_case_and_worst_ratio() -> None:
         }
     )
     assert "non-deterministic declared." in render_markdown(loose)
+
+
+def test_the_count_of_timed_replays_compared_is_stated_where_recorded() -> None:
+    evidence = load("h200_claims")
+    assert "timed replays of the candidate" not in render_markdown(evidence)  # before the check
+    counted = evidence.model_copy(deep=True)
+    timed = [c for c in counted.cases if c.performance]
+    for count, case in enumerate(timed, start=3):
+        assert case.performance is not None
+        case.performance.watched_replays = count
+    total = sum(range(3, 3 + len(timed)))
+    line = (
+        f"{total} timed replays of the candidate were compared with its eager result as they ran."
+    )
+    assert line in render_markdown(counted)
+    assert " ".join(line.split()) in " ".join(render_report_page(counted).split())
 
 
 def test_environment_coverage_and_kernels() -> None:

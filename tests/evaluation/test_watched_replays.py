@@ -97,6 +97,17 @@ def _wrong_while_timed(scale: float):  # type: ignore[no-untyped-def]
     return forward
 
 
+def _problems_of_timing(candidate, exact: bool) -> list[str]:  # type: ignore[no-untyped-def]
+    """The watched replays' findings after the stock path and `candidate` were timed."""
+    layer_set = _layer_set()
+    watched = watched_replays(candidate, layer_set, CPU, 0.9999, exact)
+    stock_steps, candidate_steps = _steps(stock.forward, layer_set), _steps(candidate, layer_set)
+    timing = sample_interleaved(
+        stock_steps, candidate_steps, layer_set, CPU, STOP, 1, None, watched
+    )
+    return timing.watched_problems
+
+
 @pytest.mark.parametrize(
     ("scale", "exact", "wanted"),
     [
@@ -108,20 +119,7 @@ def _wrong_while_timed(scale: float):  # type: ignore[no-untyped-def]
 def test_a_timed_replay_that_differs_from_the_eager_result_is_named(
     scale: float, exact: bool, wanted: str
 ) -> None:
-    layer_set = _layer_set()
-    candidate = _wrong_while_timed(scale)
-    watched = watched_replays(candidate, layer_set, CPU, 0.9999, exact)
-    timing = sample_interleaved(
-        _steps(stock.forward, layer_set),
-        _steps(candidate, layer_set),
-        layer_set,
-        CPU,
-        STOP,
-        1,
-        None,
-        watched,
-    )
-    first, *rest = timing.watched_problems
+    first, *rest = _problems_of_timing(_wrong_while_timed(scale), exact)
     assert "a timed replay of the candidate (batch 0, capture 0)" in first and wanted in first
     assert rest == ["batch 1", "batch 2"]  # a warm-up batch and two sampled
 
@@ -130,20 +128,7 @@ def test_exactness_catches_what_the_cosine_lets_through() -> None:
     """The requantized capture of the review: a close, cheaper result (0.5% off in size, within
     the cosine floor's closeness)."""
     for exact, caught in ((False, False), (True, True)):
-        layer_set = _layer_set()
-        candidate = _wrong_while_timed(1.005)
-        watched = watched_replays(candidate, layer_set, CPU, 0.9999, exact)
-        timing = sample_interleaved(
-            _steps(stock.forward, layer_set),
-            _steps(candidate, layer_set),
-            layer_set,
-            CPU,
-            STOP,
-            1,
-            None,
-            watched,
-        )
-        assert bool(timing.watched_problems) == caught
+        assert bool(_problems_of_timing(_wrong_while_timed(1.005), exact)) == caught
 
 
 def test_measure_case_fails_a_case_whose_timed_replays_were_wrong(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.evaluation.cases import Case
+from harness.evaluation.integrity import TamperedTensors, require_plain_tensors
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.outcomes import SUBMITTED_CODE_ERRORS, Crashed, Mismatch, Outcome, Passed
 from harness.evaluation.plan import derive_seed
@@ -253,6 +254,8 @@ def _candidate_run(
     outputs = poisoned(outputs, poison)
     try:
         _run(candidate, weights_copy, inputs_copy, outputs)
+    except TamperedTensors as exc:  # its own words: where it happened is in them
+        raise CandidateCrash(str(exc)) from None
     except SUBMITTED_CODE_ERRORS as exc:
         raise CandidateCrash(_describe_exception(exc)) from None
     for label, given, original in (
@@ -268,6 +271,7 @@ def _candidate_run(
 def _run(fn: PathFn, weights: Tensors, inputs: Tensors, outputs: Tensors) -> Tensors:
     # The path gets its own dicts: rebinding an entry must not replace the tensors we read back.
     fn(dict(weights), dict(inputs), dict(outputs))
+    require_plain_tensors(weights, inputs, outputs, when="after a call of a path")
     if outputs and next(iter(outputs.values())).is_cuda:
         torch.cuda.synchronize()
     return outputs

@@ -30,6 +30,7 @@ import torch
 from harness.evaluation.cases import Case
 from harness.evaluation.correctness import upcast
 from harness.evaluation.evidence import DecodeCheckEvidence
+from harness.evaluation.integrity import require_plain_tensors
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.outcomes import SUBMITTED_CODE_ERRORS
 from harness.evaluation.plan import derive_seed
@@ -158,6 +159,7 @@ def decode(
             # widened per call: one layer's float64 copy at a time (17 GB for the MLA shard)
             # fresh dicts: rebinding an entry must not change the tensors read back
             fn(widen(weights), dict(inputs), dict(outputs))
+            require_plain_tensors(inputs, outputs, when="after a decode step's call")
             hidden, residual = problem.step_finish(state, outputs)
         step_log_probs = _next_token_log_probs(hidden, residual, model.head)
         greedy = step_log_probs.argmax(-1)

@@ -18,8 +18,13 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 # The packages whose own definitions a submission must not replace.
 HARNESS_PACKAGES = ("harness.evaluation", "scopes")
@@ -223,3 +228,39 @@ def _current(name: str) -> object:
                     return None
             return target
     return None
+
+
+# The tensor types the harness accepts in what it hands submitted code and reads back. A tensor
+# whose class the submission changed (`t.__class__ = Sub`, Sub defining __torch_function__), or a
+# torch function or dispatch mode it left active, runs the submission's code inside every torch
+# operation the harness then makes on that tensor: the copy of a timed replay's outputs, a
+# comparison, a norm (2026-12-06 review: a candidate timed doing nothing did its work lazily
+# when the harness cloned its outputs, and passed).
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class TamperedTensors(RuntimeError):
+    pass
+
+
+def require_plain_tensors(*groups: Mapping[str, object], when: str) -> None:
+    """Raise TamperedTensors if a tensor of these groups is not a plain tensor, or a torch
+    function or dispatch mode is active; `when` says after what."""
+    found = [
+        f"'{name}' is a {type(value).__module__}.{type(value).__qualname__}"
+        for group in groups
+        for name, value in group.items()
+        if isinstance(value, torch.Tensor) and type(value) not in PLAIN_TENSOR_TYPES
+    ]
+    modes = [type(m) for m in _get_current_function_mode_stack()]
+    if any(mode is not DeviceContext for mode in modes):  # torch.set_default_device's is benign
+        found.append(
+            f"a torch function mode is active ({', '.join(m.__qualname__ for m in modes)})"
+        )
+    if torch._C._len_torch_dispatch_stack():
+        found.append("a torch dispatch mode is active")
+    if found:
+        raise TamperedTensors(
+            f"tampering {when}: {'; '.join(found[:3])} (its own code would run inside the "
+            "harness's operations on the tensors)"
+        )

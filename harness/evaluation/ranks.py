@@ -46,7 +46,7 @@ from harness.evaluation.distributed import (
     slowest_rank_us,
 )
 from harness.evaluation.evidence import PerformanceEvidence
-from harness.evaluation.integrity import Snapshot
+from harness.evaluation.integrity import Snapshot, require_plain_tensors
 from harness.evaluation.loading import LoadedPath, PathFn, load_path, use_triton_interpreter
 from harness.evaluation.outcomes import Crashed, Mismatch, Outcome, Passed, TimedOut
 from harness.evaluation.plan import derive_seed
@@ -330,6 +330,7 @@ def _sharing_path(
             given = {name: tensor.clone() for name, tensor in share.items()}
             with _in_cp_group(group):
                 fn(weights, share, outputs)
+            require_plain_tensors(share, outputs, when="after a call on an input share")
             changed = [name for name in share if not torch.equal(share[name], given[name])]
             if changed:  # the whole inputs never reached the path: report it here
                 raise InputModified(f"modified its input share {changed}")

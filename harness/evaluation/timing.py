@@ -25,6 +25,7 @@ from harness.evaluation.correctness import (
     pooled_comparable_rows,
     relative_error,
 )
+from harness.evaluation.integrity import require_plain_tensors
 from harness.evaluation.loading import LoadedPath, PathFn
 from harness.evaluation.plan import derive_seed
 from harness.evaluation.stats import median, speedup_ci95
@@ -84,6 +85,7 @@ class WatchedReplays:
     copied: list[Tensors] = field(default_factory=list)
 
     def copy(self) -> None:
+        require_plain_tensors(*self.outputs, when="before a timed replay's outputs were copied")
         self.copied = [{n: t.clone() for n, t in outputs.items()} for outputs in self.outputs]
 
     def verdict(self) -> str | None:
@@ -249,14 +251,24 @@ def _judge_watched(timing: Timing, watched: WatchedReplays, batch: int, capture:
         timing.watched_problems.append(f"batch {batch}")
 
 
+def poison_value(tensor: torch.Tensor) -> float | int | bool:
+    """What an output is filled with before a call, so that a cell left unwritten shows: NaN
+    for floating point, else the dtype's largest value (True for bool)."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return float("nan")
+    if tensor.dtype == torch.bool:
+        return True
+    return int(torch.iinfo(tensor.dtype).max)
+
+
 def output_poisoner(layer_set: LayerSet, device: torch.device) -> Callable[[], None]:
-    """A call that fills every layer's outputs with NaN: on CUDA one captured graph (a single
-    launch between two timed replays), on CPU plain fills."""
+    """A call that fills every layer's outputs with their poison (NaN for floats): on CUDA one
+    captured graph (a single launch between two timed replays), on CPU plain fills."""
 
     def fill() -> None:
         for _, _, outputs in layer_set.args:
             for tensor in outputs.values():
-                tensor.fill_(float("nan"))
+                tensor.fill_(poison_value(tensor))
 
     if device.type != "cuda":
         return fill
@@ -403,6 +415,7 @@ def capture_graph(fn: PathFn, layer_set: LayerSet) -> torch.cuda.CUDAGraph:
 def run_layers(fn: PathFn, layer_set: LayerSet) -> None:
     for weights, inputs, outputs in layer_set.args:
         fn(dict(weights), dict(inputs), dict(outputs))
+        require_plain_tensors(weights, inputs, outputs, when="after a timed layer's call")
 
 
 def eager_us(fn: PathFn, layer_set: LayerSet, device: torch.device) -> float:
@@ -476,8 +489,9 @@ def _eager_outputs(fn: PathFn, layer_set: LayerSet, device: torch.device) -> lis
     results = []
     for weights, inputs, outputs in layer_set.args:
         copies = {n: t.clone() for n, t in inputs.items()}
-        fresh = {n: torch.full_like(t, float("nan")) for n, t in outputs.items()}
+        fresh = {n: torch.full_like(t, poison_value(t)) for n, t in outputs.items()}
         fn(dict(weights), copies, dict(fresh))
+        require_plain_tensors(weights, copies, fresh, when="after an eager call")
         results.append(fresh)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -487,9 +501,10 @@ def _eager_outputs(fn: PathFn, layer_set: LayerSet, device: torch.device) -> lis
 def _replayed_outputs(
     step: Callable[[], None], layer_set: LayerSet, device: torch.device
 ) -> list[Tensors]:
+    require_plain_tensors(*(o for _, _, o in layer_set.args), when="before the replay check")
     for _, _, outputs in layer_set.args:
         for tensor in outputs.values():
-            tensor.fill_(float("nan"))
+            tensor.fill_(poison_value(tensor))
     step()
     if device.type == "cuda":
         torch.cuda.synchronize()  # device-wide: work on any stream has finished

@@ -183,6 +183,12 @@ ATTACKS = (
         "times the stock's speed). On a GPU the same needs a kernel that exits early",
     ),
     Attack(
+        "subclasses_outputs",
+        "turns its outputs into a tensor subclass that does the work when the harness reads them",
+        ("FAIL",),
+        ("tampering",),
+    ),
+    Attack(
         "rewrites_weights",
         "rewrites the shared weights the stock path is timed on, computes from a copy",
         ("FAIL",),

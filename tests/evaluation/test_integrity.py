@@ -8,8 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from harness.evaluation.engine import EngineOptions, evaluate
+from harness.evaluation.integrity import TamperedTensors, require_plain_tensors
 from harness.evaluation.prescreen import screen_files
 from harness.evaluation.timing import StopRule
 from scopes.manifest import validate_manifest
@@ -124,3 +127,24 @@ def test_prescreen_findings_reach_the_evidence() -> None:
     manifest = validate_manifest(_manifest("fast_clock_forward"))
     evidence = evaluate(manifest, EngineOptions(device="cpu", quick=True, seed=3, stop=FAST))
     assert any("patches time.perf_counter" in w for w in evidence.warnings)
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass: its __torch_function__ would run inside the harness's operations."""
+
+
+def test_a_tensor_whose_class_was_changed_is_tampering() -> None:
+    out = torch.zeros(4)
+    require_plain_tensors({"out": out}, {"w": torch.nn.Parameter(torch.ones(2))}, when="now")
+    out.__class__ = _Sub
+    with pytest.raises(TamperedTensors, match=r"tampering now: 'out' is a .*_Sub"):
+        require_plain_tensors({"x": torch.ones(1)}, {"out": out}, when="now")
+
+
+def test_a_torch_function_mode_left_active_is_tampering() -> None:
+    mode = pytest.raises(TamperedTensors, match="a torch function mode is active")
+    with mode, TorchFunctionMode():
+        require_plain_tensors({}, when="now")
+    with torch.device("cpu"):  # set_default_device's mode changes where tensors are made only
+        require_plain_tensors({}, when="now")
+    require_plain_tensors({}, when="now")  # and nothing once the mode is left

@@ -16,6 +16,7 @@ from harness.evaluation.loading import load_path
 from harness.evaluation.timing import (
     LayerSet,
     StopRule,
+    output_poisoner,
     sample_interleaved,
     timed_pairs,
     watched_replays,
@@ -165,3 +166,10 @@ def test_measure_case_fails_a_case_whose_timed_replays_were_wrong(
     assert len(stale) == 2, stale
     assert "a timed replay of the candidate" in stale[0] and "other bits" in stale[0]
     assert stale[1] == "so did 2 more of 3"
+
+
+def test_integer_outputs_are_poisoned_with_their_largest_value() -> None:
+    outputs = {"ids": torch.zeros(3, dtype=torch.int32), "mask": torch.zeros(2, dtype=torch.bool)}
+    layer_set = LayerSet([({}, {}, outputs)], 0)
+    output_poisoner(layer_set, CPU)()
+    assert outputs["ids"].tolist() == [2**31 - 1] * 3 and outputs["mask"].all()

@@ -459,6 +459,7 @@ def measure_case(
     timing = sample_interleaved(
         stock_steps, candidate_steps, layer_set, device, stop, seed, sync, watched
     )
+    del watched  # its eager outputs: the replay check below makes its own
     # The profile, the wall clock and the eager times run on the timed inputs: their work (a
     # MoE's active experts) is the events' work, so a cross-check compares like with like.
     # (With fresh inputs first, a batch-4 case whose timed draw routed to fewer local experts

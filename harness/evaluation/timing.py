@@ -261,20 +261,21 @@ def poison_value(tensor: torch.Tensor) -> float | int | bool:
     return int(torch.iinfo(tensor.dtype).max)
 
 
+def poison_outputs(layer_set: LayerSet) -> None:
+    """Every layer's outputs filled with their poison (NaN for floats)."""
+    for _, _, outputs in layer_set.args:
+        for tensor in outputs.values():
+            tensor.fill_(poison_value(tensor))
+
+
 def output_poisoner(layer_set: LayerSet, device: torch.device) -> Callable[[], None]:
-    """A call that fills every layer's outputs with their poison (NaN for floats): on CUDA one
-    captured graph (a single launch between two timed replays), on CPU plain fills."""
-
-    def fill() -> None:
-        for _, _, outputs in layer_set.args:
-            for tensor in outputs.values():
-                tensor.fill_(poison_value(tensor))
-
+    """A call that runs poison_outputs: on CUDA one captured graph (a single launch between two
+    timed replays), on CPU the plain fills."""
     if device.type != "cuda":
-        return fill
+        return lambda: poison_outputs(layer_set)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fill()
+        poison_outputs(layer_set)
     return graph.replay
 
 
@@ -502,9 +503,7 @@ def _replayed_outputs(
     step: Callable[[], None], layer_set: LayerSet, device: torch.device
 ) -> list[Tensors]:
     require_plain_tensors(*(o for _, _, o in layer_set.args), when="before the replay check")
-    for _, _, outputs in layer_set.args:
-        for tensor in outputs.values():
-            tensor.fill_(poison_value(tensor))
+    poison_outputs(layer_set)
     step()
     if device.type == "cuda":
         torch.cuda.synchronize()  # device-wide: work on any stream has finished

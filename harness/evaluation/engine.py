@@ -532,6 +532,7 @@ def measure_case(
         candidate_wall_us_per_layer=candidate_wall,
         integrity_flags=flags,
         watched_replays=timing.watched,
+        tallied_replays=timing.tallied,
     )
     return performance, stale, timing
 

@@ -67,6 +67,7 @@ class Timing:
     capture_index: list[int] = field(default_factory=list)  # which capture each pair used
     stop_reason: str = ""
     watched: int = 0  # timed candidate replays whose outputs were compared (one per batch)
+    tallied: int = 0  # timed candidate replays checked on the device as they ran (all of them)
     watched_problems: list[str] = field(default_factory=list)  # why those disagreed
 
 
@@ -74,12 +75,19 @@ class Timing:
 class WatchedReplays:
     """Holds the timed replays themselves to account (2026-12-06 review). Every timed call of
     either arm starts on outputs poisoned with NaN, outside its events, so a capture that does
-    its work only when its outputs look checked does it in every timed call; and one candidate
-    replay per batch, picked by a generator the candidate cannot seed, has its outputs copied
-    outside the events and compared with the candidate's own eager result on the same inputs.
-    `judge(copied outputs)`: why they are wrong, None when they are right."""
+    its work only when its outputs look checked does it in every timed call. After every timed
+    candidate call, outside its events, `tally` counts on the device whether that replay
+    disagrees with the candidate's own eager result on the same inputs (other bits where the
+    scope says the path is deterministic, else an output left unwritten or non-finite): a
+    capture that skips one replay in ten is caught. And one candidate replay per batch, picked
+    by a generator the candidate cannot seed, has its outputs copied outside the events and
+    compared in full (`judge(copied outputs)`: why they are wrong, None when they are right).
+    `check`: what the tally checks, in words."""
 
     poison: Callable[[], None]
+    tally: Callable[[], None]
+    disagreeing: torch.Tensor  # tallied replays that disagreed since the last read
+    check: str
     outputs: list[Tensors]
     judge: Callable[[list[Tensors]], str | None]
     copied: list[Tensors] = field(default_factory=list)
@@ -91,6 +99,12 @@ class WatchedReplays:
     def verdict(self) -> str | None:
         copied, self.copied = self.copied, []
         return self.judge(copied) if copied else "was never copied"
+
+    def disagreed(self) -> int:
+        """Tallied replays that disagreed since the last call (after a synchronize)."""
+        count = int(self.disagreeing.item())
+        self.disagreeing.zero_()
+        return count
 
 
 def layers_for(bytes_per_layer: int, device: torch.device, max_layers: int) -> int:
@@ -208,13 +222,21 @@ def sample_interleaved(
         capture = batch % len(stock)
         if sync is not None:
             sync.align()
-        poison = watched.poison if watched else None
-        watch = (pick.randrange(stop.pairs_per_batch), watched.copy) if watched else None
-        new_pairs = timed_pairs(
-            stock[capture], candidate[capture], stop.pairs_per_batch, device, poison, watch
-        )
         if watched:
-            _judge_watched(timing, watched, batch, capture)
+            new_pairs = timed_pairs(
+                stock[capture],
+                candidate[capture],
+                stop.pairs_per_batch,
+                device,
+                watched.poison,
+                watched.tally,
+                (pick.randrange(stop.pairs_per_batch), watched.copy),
+            )
+            _judge_watched(timing, watched, batch, capture, stop.pairs_per_batch)
+        else:
+            new_pairs = timed_pairs(
+                stock[capture], candidate[capture], stop.pairs_per_batch, device
+            )
         batch += 1
         if batch <= len(stock):
             continue  # a warm-up batch
@@ -239,16 +261,25 @@ def sample_interleaved(
             return timing
 
 
-def _judge_watched(timing: Timing, watched: WatchedReplays, batch: int, capture: int) -> None:
+def _judge_watched(
+    timing: Timing, watched: WatchedReplays, batch: int, capture: int, replays: int
+) -> None:
     timing.watched += 1
-    problem = watched.verdict()
-    if problem and not timing.watched_problems:  # the first one tells the story
-        timing.watched_problems.append(
-            f"a timed replay of the candidate (batch {batch}, capture {capture}) {problem}: "
-            "work done only when it is checked, or outputs cached"
-        )
-    elif problem:
+    timing.tallied += replays
+    wrong, compared = watched.disagreed(), watched.verdict()
+    where = f"(batch {batch}, capture {capture})"
+    if wrong:  # the tally says how many
+        problem = f"{wrong} of the {replays} timed replays of the candidate {where} {watched.check}"
+    elif compared:
+        problem = f"a timed replay of the candidate {where} {compared}"
+    else:
+        return
+    if timing.watched_problems:  # the first one tells the story
         timing.watched_problems.append(f"batch {batch}")
+    else:
+        timing.watched_problems.append(
+            f"{problem}: work done only when it is checked, or outputs cached"
+        )
 
 
 def poison_value(tensor: torch.Tensor) -> float | int | bool:
@@ -269,13 +300,37 @@ def poison_outputs(layer_set: LayerSet) -> None:
 
 
 def output_poisoner(layer_set: LayerSet, device: torch.device) -> Callable[[], None]:
-    """A call that runs poison_outputs: on CUDA one captured graph (a single launch between two
-    timed replays), on CPU the plain fills."""
+    """A call that runs poison_outputs, in one launch on CUDA."""
+    return one_launch(lambda: poison_outputs(layer_set), device)
+
+
+def replay_tally(
+    layer_set: LayerSet, expected: list[Tensors], exact: bool, device: torch.device
+) -> tuple[Callable[[], None], torch.Tensor]:
+    """(tally, counter): each tally adds 1 to the counter, on the device and without a host
+    synchronization, when the layers' outputs now hold other bits than `expected` (`exact`) or
+    any unwritten or non-finite value (not `exact`: closeness needs the full comparison)."""
+    counter = torch.zeros((), dtype=torch.int64, device=device)
+
+    def tally() -> None:
+        wrong = torch.zeros((), dtype=torch.int64, device=device)
+        for (_, _, outputs), wanted in zip(layer_set.args, expected, strict=True):
+            for name, value in outputs.items():
+                differs = value != wanted[name] if exact else ~value.isfinite()
+                wrong += differs.sum()
+        counter.add_(wrong > 0)
+
+    return one_launch(tally, device), counter
+
+
+def one_launch(work: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """`work` as one captured graph on CUDA (a single launch between two timed replays), the
+    plain call elsewhere."""
     if device.type != "cuda":
-        return lambda: poison_outputs(layer_set)
+        return work
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        poison_outputs(layer_set)
+        work()
     return graph.replay
 
 
@@ -291,13 +346,20 @@ def watched_replays(
     the layers hold now (the timed inputs)."""
     poison = output_poisoner(layer_set, device)  # first: a capture idles the GPU (gc, sync)
     expected = _eager_outputs(candidate_fn, layer_set, device)
+    tally, counter = replay_tally(layer_set, expected, exact, device)
     keeps = pooled_comparable_rows(problem, [(w, i) for w, i, _ in layer_set.args])
 
     def judge(copied: list[Tensors]) -> str | None:
         return _first_disagreement(copied, expected, min_cosine, keeps, exact)
 
+    check = (
+        "gave other bits than its own eager result on the same inputs (the scope says the "
+        "path is deterministic)"
+        if exact
+        else "left an output unwritten or non-finite"
+    )
     outputs = [outputs for _, _, outputs in layer_set.args]
-    return WatchedReplays(poison, outputs, judge)
+    return WatchedReplays(poison, tally, counter, check, outputs, judge)
 
 
 def step_runners(
@@ -336,20 +398,24 @@ def timed_pairs(
     count: int,
     device: torch.device,
     between: Callable[[], None] | None = None,
+    after_b: Callable[[], None] | None = None,
     watch: tuple[int, Callable[[], None]] | None = None,
 ) -> list[tuple[float, float]]:
     """`count` (a_us, b_us) pairs, run strictly alternating; odd pairs run b first.
 
-    `between` runs before every call, outside its timed interval (the engine poisons the
-    outputs there); `watch` = (pair index, function): the function runs right after that
-    pair's b call, outside the timed intervals (the engine copies the outputs there)."""
+    Outside the timed intervals: `between` runs before every call (the engine poisons the
+    outputs there), `after_b` after every b call (the engine tallies its replay there), and
+    `watch` = (pair index, function): the function after that pair's b call (the engine copies
+    its outputs there)."""
     calls = []
     for i in range(count):
         calls += [a, b] if i % 2 == 0 else [b, a]
-    after: dict[int, Callable[[], None]] = {}
-    if watch is not None:
-        pair, function = watch
-        after[2 * pair + (1 if pair % 2 == 0 else 0)] = function
+    after: dict[int, list[Callable[[], None]]] = {}
+    for i in range(count):
+        b_index = 2 * i + (1 if i % 2 == 0 else 0)
+        after[b_index] = [after_b] if after_b else []
+        if watch is not None and watch[0] == i:
+            after[b_index].append(watch[1])
     clock = _cuda_intervals if device.type == "cuda" else _host_intervals
     times = clock(calls, between or _nothing, after)
     pairs = []
@@ -366,7 +432,7 @@ def _nothing() -> None:
 def _cuda_intervals(
     calls: list[Callable[[], None]],
     between: Callable[[], None],
-    after: dict[int, Callable[[], None]],
+    after: dict[int, list[Callable[[], None]]],
 ) -> list[float]:
     """Microseconds of each call between its own two CUDA events, all enqueued before one
     synchronize; `between` and `after[index]` are enqueued outside the events."""
@@ -378,7 +444,8 @@ def _cuda_intervals(
         start.record()
         call()
         end.record()
-        after.get(index, _nothing)()
+        for function in after.get(index, []):
+            function()
     torch.cuda.synchronize()
     return [1000.0 * start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
 
@@ -386,7 +453,7 @@ def _cuda_intervals(
 def _host_intervals(
     calls: list[Callable[[], None]],
     between: Callable[[], None],
-    after: dict[int, Callable[[], None]],
+    after: dict[int, list[Callable[[], None]]],
 ) -> list[float]:
     times = []
     for index, call in enumerate(calls):
@@ -394,7 +461,8 @@ def _host_intervals(
         started = time.perf_counter()
         call()
         times.append(1e6 * (time.perf_counter() - started))
-        after.get(index, _nothing)()
+        for function in after.get(index, []):
+            function()
     return times
 
 

@@ -94,7 +94,7 @@ class CorrectnessSummary:
     probes: int
     probes_passed: int
     standard: str  # what the candidate was held to, from the manifest the run used
-    watched_replays: int | None  # timed replays compared as they ran; None: before that check
+    replay_checks: str | None  # what the timed replays were checked for; None: before the check
 
 
 @dataclass(frozen=True)
@@ -159,19 +159,33 @@ def correctness_summary(evidence: Evidence) -> CorrectnessSummary:
         probes=len(evidence.probes),
         probes_passed=sum(p.status == "passed" for p in evidence.probes),
         standard=correctness_standard(evidence.manifest),
-        watched_replays=watched_replays(evidence),
+        replay_checks=replay_checks(evidence),
     )
 
 
-def watched_replays(evidence: Evidence) -> int | None:
-    """Timed candidate replays compared with its eager result while they were timed, over all
-    cases; None where no case recorded the count (evidence from before the check)."""
-    counts = [
-        c.performance.watched_replays
-        for c in evidence.cases
-        if c.performance and c.performance.watched_replays is not None
-    ]
-    return sum(counts) if counts else None
+def replay_checks(evidence: Evidence) -> str | None:
+    """What was checked of the candidate's timed replays as they ran, over all cases, in a
+    sentence; None in evidence from before those checks."""
+    timed = [c.performance for c in evidence.cases if c.performance]
+    compared = [p.watched_replays for p in timed if p.watched_replays is not None]
+    tallied = [p.tallied_replays for p in timed if p.tallied_replays is not None]
+    if not compared:
+        return None
+    if not tallied:  # evidence of 2026-12-06, before every replay was tallied
+        return (
+            f"{sum(compared)} timed replays of the candidate were compared with its eager "
+            "result as they ran."
+        )
+    tolerance = Tolerance.model_validate(evidence.manifest.get("tolerance") or {})
+    what = (
+        "the same bits as its eager result"
+        if tolerance.deterministic
+        else "every output written and finite"
+    )
+    return (
+        f"All {sum(tallied)} timed replays of the candidate were checked as they ran ({what}); "
+        f"{sum(compared)} of them, one per batch, were compared in full with its eager result."
+    )
 
 
 def correctness_standard(manifest: dict[str, Any]) -> str:

@@ -92,11 +92,8 @@ def _correctness(evidence: Evidence) -> list[str]:
         f"guard right on {summary.probes_passed} of {summary.probes} out-of-scope probes.",
         f"Held to: {summary.standard}.",
     ]
-    if summary.watched_replays is not None:
-        lines.append(
-            f"{summary.watched_replays} timed replays of the candidate were compared with its "
-            "eager result as they ran."
-        )
+    if summary.replay_checks is not None:
+        lines.append(summary.replay_checks)
     if summary.worst_case is not None:
         lines.append(
             f"Worst error ratio (candidate error / stock error vs the float64 reference): "

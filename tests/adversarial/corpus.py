@@ -183,6 +183,14 @@ ATTACKS = (
         "times the stock's speed). On a GPU the same needs a kernel that exits early",
     ),
     Attack(
+        "skips_now_and_then",
+        "skips its work in one timed call of ten, leaving its outputs as they were",
+        ("FAIL",),
+        ("timed replays of the candidate",),
+        note="one compared replay per batch missed it most of the time; every timed replay is "
+        "now tallied",
+    ),
+    Attack(
         "subclasses_outputs",
         "turns its outputs into a tensor subclass that does the work when the harness reads them",
         ("FAIL",),

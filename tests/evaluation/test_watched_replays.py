@@ -1,7 +1,8 @@
 """The timed replays are checked as they run (2026-12-06 review): every timed call of either
-arm starts on outputs poisoned outside its interval, and one candidate call per batch, picked
-where the candidate cannot see, is compared with the candidate's own eager result: the same bits
-where the scope says the path is deterministic, the cosine floor where it does not."""
+arm starts on outputs poisoned outside its interval; every candidate call is tallied against the
+candidate's own eager result (the same bits where the scope says the path is deterministic, else
+outputs written and finite); and one candidate call per batch, picked where the candidate cannot
+see, is compared in full: the same bits, or the cosine floor and size."""
 
 from __future__ import annotations
 
@@ -42,9 +43,20 @@ def _spin(seconds: float, log: list[str], name: str):  # type: ignore[no-untyped
 def test_the_work_between_and_after_calls_stays_outside_their_intervals() -> None:
     log: list[str] = []
     a, b = _spin(0.001, log, "a"), _spin(0.001, log, "b")
-    pairs = timed_pairs(a, b, 2, CPU, _spin(0.004, log, "poison"), (1, _spin(0.004, log, "copy")))
-    # pair 1 runs b first: the copy follows that b call, before pair 1's a
-    assert log == ["poison", "a", "poison", "b", "poison", "b", "copy", "poison", "a"]
+    pairs = timed_pairs(
+        a,
+        b,
+        2,
+        CPU,
+        _spin(0.004, log, "poison"),
+        _spin(0.004, log, "tally"),
+        (1, _spin(0.004, log, "copy")),
+    )
+    # pair 1 runs b first: the copy follows that b call's tally, before pair 1's a
+    assert log == [
+        *("poison", "a", "poison", "b", "tally"),
+        *("poison", "b", "tally", "copy", "poison", "a"),
+    ]
     assert all(900 < us < 3000 for pair in pairs for us in pair), pairs
 
 
@@ -83,6 +95,7 @@ def test_every_timed_call_of_both_arms_starts_on_poisoned_outputs() -> None:
     timing = sample_interleaved(steps, steps, layer_set, CPU, STOP, 1, None, watched)
     assert len(seen) == 2 * (3 + 6) * 2 and all(seen)  # 2 arms x (warm-up + 6) pairs x 2 layers
     assert timing.watched == 1 + 2 and timing.watched_problems == []
+    assert timing.tallied == 3 + 6  # every candidate call, the warm-up's too
 
 
 def _wrong_while_timed(scale: float):  # type: ignore[no-untyped-def]
@@ -121,7 +134,8 @@ def test_a_timed_replay_that_differs_from_the_eager_result_is_named(
     scale: float, exact: bool, wanted: str
 ) -> None:
     first, *rest = _problems_of_timing(_wrong_while_timed(scale), exact)
-    assert "a timed replay of the candidate (batch 0, capture 0)" in first and wanted in first
+    # exact: every replay's tally finds it ("3 of the 3"); else the compared one names the error
+    assert "of the candidate (batch 0, capture 0)" in first and wanted in first, first
     assert rest == ["batch 1", "batch 2"]  # a warm-up batch and two sampled
 
 
@@ -163,8 +177,10 @@ def test_measure_case_fails_a_case_whose_timed_replays_were_wrong(
         load_path(manifest), case, 7, stop, 2, CPU, manifest
     )
     assert performance.watched_replays == 3  # a warm-up batch and two sampled
+    assert performance.tallied_replays == 3 * 2
     assert len(stale) == 2, stale
-    assert "a timed replay of the candidate" in stale[0] and "other bits" in stale[0]
+    assert stale[0].startswith("2 of the 2 timed replays of the candidate (batch 0, capture 0)")
+    assert "other bits" in stale[0]
     assert stale[1] == "so did 2 more of 3"
 
 
@@ -173,3 +189,42 @@ def test_integer_outputs_are_poisoned_with_their_largest_value() -> None:
     layer_set = LayerSet([({}, {}, outputs)], 0)
     output_poisoner(layer_set, CPU)()
     assert outputs["ids"].tolist() == [2**31 - 1] * 3 and outputs["mask"].all()
+
+
+def _skips_one_call_in(every: int):  # type: ignore[no-untyped-def]
+    """Right on every call but each `every`-th step, which leaves its outputs as they were."""
+    calls = {"n": 0}
+
+    def forward(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        step = (calls["n"] - 1) // 2  # two layers per step
+        if step % every != every - 1:
+            stock.forward(weights, inputs, out)
+
+    return forward
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_every_timed_replay_is_tallied_so_a_rarely_skipped_one_is_caught(exact: bool) -> None:
+    """A capture skipping one timed replay in nine: the one compared replay per batch misses it
+    most of the time, the tally of every replay does not (the skipped one stays poisoned)."""
+    stop = StopRule(min_pairs=27, max_pairs=27, pairs_per_batch=9, captures=1)
+    layer_set = _layer_set()
+    candidate = _skips_one_call_in(9)
+    watched = watched_replays(candidate, layer_set, CPU, 0.9999, exact)  # its first step: right
+    steps = _steps(stock.forward, layer_set), _steps(candidate, layer_set)
+    timing = sample_interleaved(*steps, layer_set, CPU, stop, 1, None, watched)
+    check = "other bits" if exact else "unwritten or non-finite"
+    first, *rest = timing.watched_problems
+    assert first.startswith("1 of the 9 timed replays of the candidate (batch 0, capture 0)")
+    assert check in first and rest == ["batch 1", "batch 2", "batch 3"]
+    assert timing.tallied == 4 * 9
+
+
+def test_a_right_candidate_tallies_clean_in_both_modes() -> None:
+    for exact in (True, False):
+        layer_set = _layer_set()
+        watched = watched_replays(stock.forward, layer_set, CPU, 0.9999, exact)
+        steps = _steps(stock.forward, layer_set)
+        timing = sample_interleaved(steps, steps, layer_set, CPU, STOP, 1, None, watched)
+        assert timing.watched_problems == [] and timing.tallied == 9

@@ -125,7 +125,7 @@ def test_correctness_summary_names_the_failing_case_and_worst_ratio() -> None:
     assert "non-deterministic declared." in render_markdown(loose)
 
 
-def test_the_count_of_timed_replays_compared_is_stated_where_recorded() -> None:
+def test_the_checks_of_the_timed_replays_are_stated_where_recorded() -> None:
     evidence = load("h200_claims")
     assert "timed replays of the candidate" not in render_markdown(evidence)  # before the check
     counted = evidence.model_copy(deep=True)
@@ -136,6 +136,16 @@ def test_the_count_of_timed_replays_compared_is_stated_where_recorded() -> None:
     total = sum(range(3, 3 + len(timed)))
     line = (
         f"{total} timed replays of the candidate were compared with its eager result as they ran."
+    )
+    assert line in render_markdown(counted)
+    assert " ".join(line.split()) in " ".join(render_report_page(counted).split())
+    for case in timed:
+        assert case.performance is not None
+        case.performance.tallied_replays = 10 * case.performance.watched_replays  # type: ignore[operator]
+    line = (
+        f"All {10 * total} timed replays of the candidate were checked as they ran (the same "
+        f"bits as its eager result); {total} of them, one per batch, were compared in full "
+        "with its eager result."
     )
     assert line in render_markdown(counted)
     assert " ".join(line.split()) in " ".join(render_report_page(counted).split())

@@ -184,7 +184,8 @@ ATTACKS = (
     ),
     Attack(
         "skips_now_and_then",
-        "skips its work in one timed call of ten, leaving its outputs as they were",
+        "skips its work now and then while timed (one replay in ten captured, one call in four "
+        "eager), leaving its outputs as they were",
         ("FAIL",),
         ("timed replays of the candidate",),
         note="one compared replay per batch missed it most of the time; every timed replay is "

@@ -129,10 +129,14 @@ class RankSync:
         collectives would pair the wrong ones and hang.
     align: returns on every rank at about the same moment. Called before each measured block:
         a rank that starts early would otherwise count its wait for the late one in the first
-        collective as its own time."""
+        collective as its own time.
+    same_pick: from this rank's random draw, the one number every rank gets (the sum of all
+        ranks' draws): every rank copies the same timed replay's outputs, so no rank's copy
+        holds up its peer's next timed call in a collective."""
 
     layers: Callable[[int], int]
     align: Callable[[], None]
+    same_pick: Callable[[int], int] = field(default=lambda draw: draw)
 
 
 def build_layers(
@@ -220,7 +224,9 @@ def sample_interleaved(
     batch = 0
     while True:
         capture = batch % len(stock)
+        copied = pick.randrange(stop.pairs_per_batch)
         if sync is not None:
+            copied = sync.same_pick(copied) % stop.pairs_per_batch
             sync.align()
         if watched:
             new_pairs = timed_pairs(
@@ -230,7 +236,7 @@ def sample_interleaved(
                 device,
                 watched.poison,
                 watched.tally,
-                (pick.randrange(stop.pairs_per_batch), watched.copy),
+                (copied, watched.copy),
             )
             _judge_watched(timing, watched, batch, capture, stop.pairs_per_batch)
         else:

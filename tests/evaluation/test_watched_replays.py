@@ -16,6 +16,7 @@ from harness.evaluation.cases import Case
 from harness.evaluation.loading import load_path
 from harness.evaluation.timing import (
     LayerSet,
+    RankSync,
     StopRule,
     output_poisoner,
     sample_interleaved,
@@ -228,3 +229,17 @@ def test_a_right_candidate_tallies_clean_in_both_modes() -> None:
         steps = _steps(stock.forward, layer_set)
         timing = sample_interleaved(steps, steps, layer_set, CPU, STOP, 1, None, watched)
         assert timing.watched_problems == [] and timing.tallied == 9
+
+
+def test_on_ranks_every_rank_copies_the_replay_they_agreed_on() -> None:
+    """The ranks sum their draws (here: a sum of 7), so each copies the same pair's replay:
+    pair 7 % 3 = 1 of every batch, which runs the candidate first."""
+    layer_set = _layer_set()
+    log: list[str] = []
+    watched = watched_replays(stock.forward, layer_set, CPU, 0.9999, exact=True)
+    watched.copy = lambda: log.append("copy")  # type: ignore[method-assign]
+    sync = RankSync(layers=lambda n: n, align=lambda: log.append("|"), same_pick=lambda d: 7)
+    stock_step, candidate_step = [lambda: log.append("s")], [lambda: log.append("c")]
+    sample_interleaved(stock_step, candidate_step, layer_set, CPU, STOP, 1, sync, watched)
+    batches = "".join(log).split("|")[1:]
+    assert batches == ["sc" + "c" + "copy" + "s" + "sc"] * 3  # a warm-up batch and two sampled

@@ -21,16 +21,20 @@ Tensors = dict[str, torch.Tensor]
 EVERY = 10  # captured: one replay in EVERY
 EVERY_EAGER = 4  # eager: one call in EVERY_EAGER on the same unchanged inputs
 seen: Counter[tuple[tuple[int, int], ...]] = Counter()  # calls per unchanged input set
-counters: dict[torch.device, torch.Tensor] = {}  # per device, made outside any capture
+# Per layer (keyed by its first output's address), made by the eager calls that warm a capture
+# up: one counter for all layers would reach a multiple of EVERY in most replays.
+counters: dict[int, torch.Tensor] = {}
 
 
 def forward(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
-    device = next(iter(out.values())).device
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _skipping_replays(weights, inputs, out, counters[device])
+    first = next(iter(out.values()))
+    if first.is_cuda and torch.cuda.is_current_stream_capturing():
+        _skipping_replays(weights, inputs, out, counters[first.data_ptr()])
         return
-    if device.type == "cuda":
-        counters.setdefault(device, torch.zeros((), dtype=torch.int64, device=device))
+    if first.is_cuda:
+        counters.setdefault(
+            first.data_ptr(), torch.zeros((), dtype=torch.int64, device=first.device)
+        )
     key = tuple((id(tensor), tensor._version) for tensor in inputs.values())
     seen[key] += 1
     if seen[key] % EVERY_EAGER == 0:

@@ -103,8 +103,9 @@ class PerformanceEvidence(Model):
     # Timed candidate replays whose outputs were compared with its eager result (one per batch
     # of pairs, picked at random); None in evidence from before that check.
     watched_replays: int | None = None
-    # Timed candidate replays each checked on the device as it ran, all of them: the same bits as
-    # its eager result where the scope says deterministic, else every output written and finite.
+    # Timed candidate replays each checked on the device as it ran, all of them, against its
+    # eager result: the same bits where the scope says deterministic, else written, finite, the
+    # cosine floor and the same size.
     tallied_replays: int | None = None
     # Cross-checks that disagree with the event timing: each sends the verdict to review.
     integrity_flags: list[str] = []

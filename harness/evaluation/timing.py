@@ -77,11 +77,11 @@ class WatchedReplays:
     either arm starts on outputs poisoned with NaN, outside its events, so a capture that does
     its work only when its outputs look checked does it in every timed call. After every timed
     candidate call, outside its events, `tally` counts on the device whether that replay
-    disagrees with the candidate's own eager result on the same inputs (other bits where the
-    scope says the path is deterministic, else an output left unwritten or non-finite): a
-    capture that skips one replay in ten is caught. And one candidate replay per batch, picked
-    by a generator the candidate cannot seed, has its outputs copied outside the events and
-    compared in full (`judge(copied outputs)`: why they are wrong, None when they are right).
+    disagrees with the candidate's own eager result on the same inputs, by the rule of the
+    replay check (_first_disagreement): a capture that skips one replay in ten is caught. And
+    one candidate replay per batch, picked by a generator the candidate cannot seed, has its
+    outputs copied outside the events and compared on the host, which names what is wrong
+    (`judge(copied outputs)`: why they are wrong, None when they are right).
     `check`: what the tally checks, in words."""
 
     poison: Callable[[], None]
@@ -311,22 +311,52 @@ def output_poisoner(layer_set: LayerSet, device: torch.device) -> Callable[[], N
 
 
 def replay_tally(
-    layer_set: LayerSet, expected: list[Tensors], exact: bool, device: torch.device
+    layer_set: LayerSet,
+    expected: list[Tensors],
+    exact: bool,
+    min_cosine: float,
+    keeps: list[dict[str, torch.Tensor]],
+    device: torch.device,
 ) -> tuple[Callable[[], None], torch.Tensor]:
     """(tally, counter): each tally adds 1 to the counter, on the device and without a host
-    synchronization, when the layers' outputs now hold other bits than `expected` (`exact`) or
-    any unwritten or non-finite value (not `exact`: closeness needs the full comparison)."""
+    synchronization, when the layers' outputs now break _first_disagreement's rule against
+    `expected`: other bits (`exact`), else a value unwritten or non-finite, or outside the
+    near-tie rows a cosine below min_cosine or a size further off than the cosine floor."""
     counter = torch.zeros((), dtype=torch.int64, device=device)
 
     def tally() -> None:
-        wrong = torch.zeros((), dtype=torch.int64, device=device)
-        for (_, _, outputs), wanted in zip(layer_set.args, expected, strict=True):
+        wrong = torch.zeros((), dtype=torch.bool, device=device)
+        for (_, _, outputs), wanted, keep in zip(layer_set.args, expected, keeps, strict=True):
             for name, value in outputs.items():
-                differs = value != wanted[name] if exact else ~value.isfinite()
-                wrong += differs.sum()
-        counter.add_(wrong > 0)
+                if exact:
+                    wrong |= (value != wanted[name]).any()
+                else:
+                    wrong |= far_from(value, wanted[name], keep.get(name), min_cosine)
+        counter.add_(wrong)
 
     return one_launch(tally, device), counter
+
+
+def far_from(
+    value: torch.Tensor, reference: torch.Tensor, keep: torch.Tensor | None, min_cosine: float
+) -> torch.Tensor:
+    """_first_disagreement's rule where the path is not deterministic, as a device bool with no
+    host synchronization (capturable): True when `value` has a non-finite element, or, in the
+    rows `keep` marks, a cosine to `reference` below min_cosine or a relative error above
+    sqrt(2 (1 - min_cosine))."""
+    not_finite = ~value.isfinite().all()
+    v, r = value.to(REFERENCE_DTYPE), reference.to(REFERENCE_DTYPE)
+    if keep is not None:  # a mask, not an index: its row count would need the host
+        rows = keep.to(value.device).reshape(keep.shape + (1,) * (value.dim() - keep.dim()))
+        v, r = torch.where(rows, v, 0.0), torch.where(rows, r, 0.0)
+    v_norm, r_norm = torch.linalg.vector_norm(v), torch.linalg.vector_norm(r)
+    norms = v_norm * r_norm
+    same = (v == r).all().to(REFERENCE_DTYPE)
+    cosine = torch.where(norms > 0, (v * r).sum() / norms, same)  # as cosine_similarity
+    distance = torch.linalg.vector_norm(v - r)
+    error = torch.where(r_norm > 0, distance / r_norm, distance)  # as relative_error
+    allowed = math.sqrt(2 * (1 - min_cosine))
+    return not_finite | ~(cosine >= min_cosine) | ~(error <= allowed)
 
 
 def one_launch(work: Callable[[], None], device: torch.device) -> Callable[[], None]:
@@ -352,8 +382,8 @@ def watched_replays(
     the layers hold now (the timed inputs)."""
     poison = output_poisoner(layer_set, device)  # first: a capture idles the GPU (gc, sync)
     expected = _eager_outputs(candidate_fn, layer_set, device)
-    tally, counter = replay_tally(layer_set, expected, exact, device)
     keeps = pooled_comparable_rows(problem, [(w, i) for w, i, _ in layer_set.args])
+    tally, counter = replay_tally(layer_set, expected, exact, min_cosine, keeps, device)
 
     def judge(copied: list[Tensors]) -> str | None:
         return _first_disagreement(copied, expected, min_cosine, keeps, exact)
@@ -362,7 +392,8 @@ def watched_replays(
         "gave other bits than its own eager result on the same inputs (the scope says the "
         "path is deterministic)"
         if exact
-        else "left an output unwritten or non-finite"
+        else f"were not written, finite and as close to its own eager result on the same inputs "
+        f"as a cosine of {min_cosine} and the same size demand"
     )
     outputs = [outputs for _, _, outputs in layer_set.args]
     return WatchedReplays(poison, tally, counter, check, outputs, judge)

@@ -180,7 +180,7 @@ def replay_checks(evidence: Evidence) -> str | None:
     what = (
         "the same bits as its eager result"
         if tolerance.deterministic
-        else "every output written and finite"
+        else "written, finite, and as close to its eager result as the cosine floor demands"
     )
     return (
         f"All {sum(tallied)} timed replays of the candidate were checked as they ran ({what}); "

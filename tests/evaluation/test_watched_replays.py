@@ -1,8 +1,8 @@
 """The timed replays are checked as they run (2026-12-06 review): every timed call of either
-arm starts on outputs poisoned outside its interval; every candidate call is tallied against the
-candidate's own eager result (the same bits where the scope says the path is deterministic, else
-outputs written and finite); and one candidate call per batch, picked where the candidate cannot
-see, is compared in full: the same bits, or the cosine floor and size."""
+arm starts on outputs poisoned outside its interval; every candidate call is tallied on the
+device against the candidate's own eager result (the same bits where the scope says the path is
+deterministic, else the cosine floor and size); and one candidate call per batch, picked where
+the candidate cannot see, is compared on the host, which names what is wrong."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from harness.evaluation.timing import (
     LayerSet,
     RankSync,
     StopRule,
+    _first_disagreement,
+    far_from,
     output_poisoner,
     sample_interleaved,
     timed_pairs,
@@ -126,8 +128,8 @@ def _problems_of_timing(candidate, exact: bool) -> list[str]:  # type: ignore[no
 @pytest.mark.parametrize(
     ("scale", "exact", "wanted"),
     [
-        (-1.0, False, "cosine"),
-        (0.5, False, "relative error"),  # a halved output: cosine 1, but not the size
+        (-1.0, False, "a cosine of 0.9999 and the same size"),
+        (0.5, False, "a cosine of 0.9999 and the same size"),  # halved: cosine 1, not the size
         (1.0 + 2**-7, True, "other bits"),  # one bf16 step larger: close, but not the same bits
     ],
 )
@@ -215,7 +217,7 @@ def test_every_timed_replay_is_tallied_so_a_rarely_skipped_one_is_caught(exact: 
     watched = watched_replays(candidate, layer_set, CPU, 0.9999, exact)  # its first step: right
     steps = _steps(stock.forward, layer_set), _steps(candidate, layer_set)
     timing = sample_interleaved(*steps, layer_set, CPU, stop, 1, None, watched)
-    check = "other bits" if exact else "unwritten or non-finite"
+    check = "other bits" if exact else "were not written, finite and as close"
     first, *rest = timing.watched_problems
     assert first.startswith("1 of the 9 timed replays of the candidate (batch 0, capture 0)")
     assert check in first and rest == ["batch 1", "batch 2", "batch 3"]
@@ -243,3 +245,36 @@ def test_on_ranks_every_rank_copies_the_replay_they_agreed_on() -> None:
     sample_interleaved(stock_step, candidate_step, layer_set, CPU, STOP, 1, sync, watched)
     batches = "".join(log).split("|")[1:]
     assert batches == ["sc" + "c" + "copy" + "s" + "sc"] * 3  # a warm-up batch and two sampled
+
+
+def _near_tie_row_wrong(out: torch.Tensor) -> torch.Tensor:
+    wrong = out.clone()
+    wrong[1] = -wrong[1]
+    return wrong
+
+
+@pytest.mark.parametrize(
+    ("change", "keep_row_1"),
+    [
+        (lambda out: out.clone(), True),
+        (lambda out: out * (1 + 2**-7), True),  # close: within the cosine floor's closeness
+        (lambda out: out * 0.5, True),  # cosine 1, size off
+        (lambda out: -out, True),
+        (lambda out: torch.full_like(out, float("nan")), True),
+        (lambda out: out + 0.3 * torch.randn_like(out), True),
+        (lambda out: torch.zeros_like(out), True),
+        (_near_tie_row_wrong, True),  # wrong in a row the check compares
+        (_near_tie_row_wrong, False),  # the same row left out as a near tie
+    ],
+)
+def test_the_device_tally_applies_the_replay_checks_rule(change, keep_row_1: bool) -> None:  # type: ignore[no-untyped-def]
+    """far_from (capturable, no host synchronization) decides as _first_disagreement does
+    where the scope is not deterministic."""
+    expected = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got = change(expected).to(torch.bfloat16)
+    keep = torch.tensor([True, keep_row_1, True, True])
+    host = _first_disagreement([{"out": got}], [{"out": expected}], 0.9999, [{"out": keep}])
+    device = far_from(got, expected, keep, 0.9999)
+    assert device.dtype == torch.bool and device.dim() == 0
+    assert bool(device) == (host is not None), host
+    assert bool(far_from(torch.zeros(3), torch.zeros(3), None, 0.9999)) is False

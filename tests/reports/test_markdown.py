@@ -149,6 +149,9 @@ def test_the_checks_of_the_timed_replays_are_stated_where_recorded() -> None:
     )
     assert line in render_markdown(counted)
     assert " ".join(line.split()) in " ".join(render_report_page(counted).split())
+    tolerance = {**counted.manifest.get("tolerance", {}), "deterministic": False}
+    loose = counted.model_copy(update={"manifest": {**counted.manifest, "tolerance": tolerance}})
+    assert "as close to its eager result as the cosine floor demands" in render_markdown(loose)
 
 
 def test_environment_coverage_and_kernels() -> None:

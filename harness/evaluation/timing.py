@@ -323,6 +323,8 @@ def replay_tally(
     `expected`: other bits (`exact`), else a value unwritten or non-finite, or outside the
     near-tie rows a cosine below min_cosine or a size further off than the cosine floor."""
     counter = torch.zeros((), dtype=torch.int64, device=device)
+    # on the device before the capture: a host-to-device copy cannot be captured
+    keeps = [{name: rows.to(device) for name, rows in keep.items()} for keep in keeps]
 
     def tally() -> None:
         wrong = torch.zeros((), dtype=torch.bool, device=device)
@@ -347,7 +349,7 @@ def far_from(
     not_finite = ~value.isfinite().all()
     v, r = value.to(REFERENCE_DTYPE), reference.to(REFERENCE_DTYPE)
     if keep is not None:  # a mask, not an index: its row count would need the host
-        rows = keep.to(value.device).reshape(keep.shape + (1,) * (value.dim() - keep.dim()))
+        rows = keep.reshape(keep.shape + (1,) * (value.dim() - keep.dim()))
         v, r = torch.where(rows, v, 0.0), torch.where(rows, r, 0.0)
     v_norm, r_norm = torch.linalg.vector_norm(v), torch.linalg.vector_norm(r)
     norms = v_norm * r_norm

@@ -339,6 +339,13 @@ def replay_tally(
     return one_launch(tally, device), counter
 
 
+def size_tolerance(min_cosine: float) -> float:
+    """The largest relative error that agrees with a cosine floor. A cosine sees directions
+    only (a halved output has cosine 1): the size must agree as closely, sqrt(2 (1 - cosine))
+    being the distance of two unit vectors at that cosine."""
+    return math.sqrt(2 * (1 - min_cosine))
+
+
 def far_from(
     value: torch.Tensor, reference: torch.Tensor, keep: torch.Tensor | None, min_cosine: float
 ) -> torch.Tensor:
@@ -357,8 +364,7 @@ def far_from(
     cosine = torch.where(norms > 0, (v * r).sum() / norms, same)  # as cosine_similarity
     distance = torch.linalg.vector_norm(v - r)
     error = torch.where(r_norm > 0, distance / r_norm, distance)  # as relative_error
-    allowed = math.sqrt(2 * (1 - min_cosine))
-    return not_finite | ~(cosine >= min_cosine) | ~(error <= allowed)
+    return not_finite | ~(cosine >= min_cosine) | ~(error <= size_tolerance(min_cosine))
 
 
 def one_launch(work: Callable[[], None], device: torch.device) -> Callable[[], None]:
@@ -651,9 +657,7 @@ def _first_disagreement(
                     f"gave layer {layer}'s '{name}' a cosine of {cosine:.4f} to its own eager "
                     f"result on the same inputs (at least {min_cosine} needed)"
                 )
-            # A cosine sees directions only (a halved output has cosine 1): the size must agree
-            # as closely, sqrt(2 (1 - cosine)) being the distance of two unit vectors.
-            allowed = math.sqrt(2 * (1 - min_cosine))
+            allowed = size_tolerance(min_cosine)
             error = relative_error(value, reference.to(REFERENCE_DTYPE))
             if not error <= allowed:
                 return (

@@ -20,6 +20,7 @@ from harness.evaluation.timing import (
     StopRule,
     _first_disagreement,
     far_from,
+    one_launch,
     output_poisoner,
     sample_interleaved,
     timed_pairs,
@@ -63,14 +64,14 @@ def test_the_work_between_and_after_calls_stays_outside_their_intervals() -> Non
     assert all(900 < us < 3000 for pair in pairs for us in pair), pairs
 
 
-def _layer_set(batch: int = 4, layers: int = 2) -> LayerSet:
+def _layer_set(batch: int = 4, layers: int = 2, device: torch.device = CPU) -> LayerSet:
     problem = Problem({"hidden": 64})
-    case = Case(batch, None, 1, 1, "bfloat16", "cpu")
+    case = Case(batch, None, 1, 1, "bfloat16", device.type)
     args = [
         (
-            problem.make_weights(case, 10 + layer, CPU),
-            problem.make_inputs(case, 20 + layer, CPU),
-            problem.make_outputs(case, CPU),
+            problem.make_weights(case, 10 + layer, device),
+            problem.make_inputs(case, 20 + layer, device),
+            problem.make_outputs(case, device),
         )
         for layer in range(layers)
     ]
@@ -194,29 +195,42 @@ def test_integer_outputs_are_poisoned_with_their_largest_value() -> None:
     assert outputs["ids"].tolist() == [2**31 - 1] * 3 and outputs["mask"].all()
 
 
-def _skips_one_call_in(every: int):  # type: ignore[no-untyped-def]
-    """Right on every call but each `every`-th step, which leaves its outputs as they were."""
-    calls = {"n": 0}
+def _skips_one_step_in(every: int, device: torch.device):  # type: ignore[no-untyped-def]
+    """Right on every call but each `every`-th step (two layers), which leaves its outputs as
+    they were. The count lives on the device, so each replay of one captured graph decides
+    afresh (as the corpus's skips_now_and_then)."""
+    calls = torch.zeros((), dtype=torch.int64, device=device)
 
     def forward(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        step = (calls["n"] - 1) // 2  # two layers per step
-        if step % every != every - 1:
-            stock.forward(weights, inputs, out)
+        calls.add_(1)
+        skip = torch.remainder(torch.div(calls - 1, 2, rounding_mode="floor"), every) == every - 1
+        fresh = {name: torch.empty_like(value) for name, value in out.items()}
+        stock.forward(weights, inputs, fresh)
+        for name, value in out.items():
+            value.copy_(torch.where(skip, value, fresh[name]))
 
     return forward
 
 
 @pytest.mark.parametrize("exact", [True, False])
-def test_every_timed_replay_is_tallied_so_a_rarely_skipped_one_is_caught(exact: bool) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_every_timed_replay_is_tallied_so_a_rarely_skipped_one_is_caught(
+    exact: bool, device: str
+) -> None:
     """A capture skipping one timed replay in nine: the one compared replay per batch misses it
-    most of the time, the tally of every replay does not (the skipped one stays poisoned)."""
+    most of the time, the tally of every replay does not (the skipped one stays poisoned). On
+    CUDA both steps and the tally (far_from where not exact) are captured graphs."""
+    where = torch.device(device)
     stop = StopRule(min_pairs=27, max_pairs=27, pairs_per_batch=9, captures=1)
-    layer_set = _layer_set()
-    candidate = _skips_one_call_in(9)
-    watched = watched_replays(candidate, layer_set, CPU, 0.9999, exact)  # its first step: right
-    steps = _steps(stock.forward, layer_set), _steps(candidate, layer_set)
-    timing = sample_interleaved(*steps, layer_set, CPU, stop, 1, None, watched)
+    layer_set = _layer_set(device=where)
+    candidate = _skips_one_step_in(9, where)
+    watched = watched_replays(candidate, layer_set, where, 0.9999, exact)  # its first step: right
+    stock_step, candidate_step = (
+        one_launch(_steps(fn, layer_set)[0], where) for fn in (stock.forward, candidate)
+    )
+    timing = sample_interleaved(
+        [stock_step], [candidate_step], layer_set, where, stop, 1, None, watched
+    )
     check = "other bits" if exact else "were not written, finite and as close"
     first, *rest = timing.watched_problems
     assert first.startswith("1 of the 9 timed replays of the candidate (batch 0, capture 0)")

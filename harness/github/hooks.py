@@ -23,6 +23,7 @@ GITHUB_QUEUE = "github"
 PULL_REQUEST_TASK = "pathgate.github.pull_request"  # (pull-request event id)
 VERDICT_TASK = "pathgate.github.verdict"  # (submission id)
 _PENDING = "pending_github_tasks"
+WAITING = "waiting_for_hardware"  # not final, but posted: a pull request must not look queued
 
 Sender = Callable[[str, int], None]
 
@@ -43,10 +44,13 @@ def enqueue_after_commit(session: Session, task: str, arg: int) -> None:
 
 def note_state_change(session: Session, submission: Submission, previous: str | None) -> None:
     """Called by submissions.refresh_state: a pull request's submission that just reached a
-    final state gets its verdict posted."""
-    if submission.state == previous or submission.state not in FINISHED_STATES:
+    final state gets its verdict posted; one that starts or stops waiting for hardware gets a
+    pending status that says so, so that the pull request never shows "queued" for a job no
+    worker can take."""
+    if submission.state == previous:
         return
-    if store.has_postings(session, submission.id):
+    worth_saying = submission.state in FINISHED_STATES or WAITING in (submission.state, previous)
+    if worth_saying and store.has_postings(session, submission.id):
         enqueue_after_commit(session, VERDICT_TASK, submission.id)
 
 

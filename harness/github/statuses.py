@@ -36,6 +36,9 @@ from harness.store.models import Submission
 DESCRIPTION_MAX = 140  # GitHub's limit for a status description
 SUMMARY_MAX = 65535  # GitHub's limit for a check run's output.summary
 STATUS_FOR_STATE = {
+    "queued": "pending",  # posted only on the way out of waiting_for_hardware (hooks.py)
+    "running": "pending",
+    "waiting_for_hardware": "pending",
     "passed": "success",
     "failed": "failure",
     "needs_review": "failure",
@@ -76,7 +79,9 @@ def context_for(scope: str) -> str:
 
 
 def report_url(settings: Settings, submission_id: int) -> str:
-    return f"{settings.public_url.rstrip('/')}/v1/submissions/{submission_id}/report.html"
+    """The dashboard's page of the submission: a browser coming from GitHub signs in there (the
+    API's report.html wants a bearer token, which a link cannot carry)."""
+    return f"{settings.public_url.rstrip('/')}/dashboard/submissions/{submission_id}"
 
 
 def truncate(text: str, limit: int) -> str:
@@ -100,11 +105,16 @@ def describe_verdict(session: Session, submission: Submission) -> str:
 
 
 def verdict_posting(session: Session, submission: Submission, settings: Settings) -> StatusPosting:
-    """The final status (and check run) of a finished submission, for its pull request."""
+    """The status of a submission's state for its pull request: a finished one's final status
+    and check run; one waiting for hardware (or just done waiting), a pending status only."""
     target = store.latest_posting(session, submission.id)
     assert target is not None
     url = report_url(settings, submission.id)
-    markdown = render_combined_markdown(combined_report(session, submission))
+    conclusion = CONCLUSION_FOR_STATE.get(submission.state)
+    summary = None
+    if conclusion is not None:
+        markdown = render_combined_markdown(combined_report(session, submission))
+        summary = truncate_summary(markdown, url)
     return StatusPosting(
         submission_id=submission.id,
         repo=target.repo,
@@ -113,14 +123,15 @@ def verdict_posting(session: Session, submission: Submission, settings: Settings
         state=STATUS_FOR_STATE[submission.state],
         description=describe_verdict(session, submission),
         target_url=url,
-        check_conclusion=CONCLUSION_FOR_STATE[submission.state],
-        check_summary=truncate_summary(markdown, url),
+        check_conclusion=conclusion,
+        check_summary=summary,
     )
 
 
 def record_verdict(session: Session, submission_id: int, settings: Settings) -> int | None:
-    """The posting to deliver for this submission's verdict, or None if there is none to post
-    (not from a pull request, no longer finished, or this very verdict was posted already)."""
+    """The posting to deliver for this submission's state, or None if there is none to post
+    (not from a pull request, in a state without a status, or this very status was posted
+    already)."""
     if not store.has_postings(session, submission_id):
         return None
     submission = repo.get_submission(session, submission_id, owner_id=None)

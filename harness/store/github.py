@@ -145,8 +145,9 @@ def unposted_postings(session: Session) -> list[int]:
 
 
 def unreported_verdicts(session: Session) -> list[int]:
-    """Finished submissions from pull requests whose newest posting is still `pending`: their
-    verdict task never ran (the broker was down, say)."""
+    """Finished submissions (and ones waiting for hardware) from pull requests whose newest
+    posting is `pending`: their status task may never have run (the broker was down, say);
+    statuses.record_verdict skips what was posted already."""
     newest = (
         select(func.max(StatusPosting.id))
         .where(StatusPosting.submission_id.is_not(None))
@@ -158,7 +159,7 @@ def unreported_verdicts(session: Session) -> list[int]:
         .where(
             StatusPosting.id.in_(newest),
             StatusPosting.state == "pending",
-            Submission.state.in_(FINISHED_STATES),
+            Submission.state.in_((*FINISHED_STATES, "waiting_for_hardware")),
         )
         .order_by(StatusPosting.submission_id)
     )

@@ -124,7 +124,7 @@ def test_pull_request_to_verdict_with_app_auth(
     assert queue == "cpu"
 
     statuses = {c.body["context"]: c.body for c in fake_app.posted("statuses")}
-    report = f"{PUBLIC_URL}/v1/submissions/{submission.id}/report.html"
+    report = f"{PUBLIC_URL}/dashboard/submissions/{submission.id}"
     assert statuses["pathgate/contrib-rmsnorm-cpu"]["state"] == "pending"
     assert statuses["pathgate/contrib-rmsnorm-cpu"]["target_url"] == report
     broken = statuses["pathgate/broken-scope"]
@@ -141,6 +141,12 @@ def test_pull_request_to_verdict_with_app_auth(
     # the worker's side: check out the head SHA, run the evaluation in a child, record it
     started = start_job(job_id, "test-worker")
     assert started is not None
+    # no worker had served "cpu" (the status said so): the pull request hears it runs now
+    assert tasks.sent == [(VERDICT_TASK, submission.id)]
+    run_github_tasks(tasks, jobs)
+    running = fake_app.posted("statuses")[-1].body
+    assert (running["state"], running["description"]) == ("pending", "running: cpu: running")
+    assert len(fake_app.posted("check-runs")) == 1  # a pending status has no check run
     finish_job(job_id, run_in_child(started.request))
     assert tasks.sent == [(VERDICT_TASK, submission.id)]  # enqueued after the job's commit
     run_github_tasks(tasks, jobs)

@@ -1,9 +1,11 @@
-"""Verdict statuses: the state mapping, GitHub's length limits, retries after a rate-limit answer
-(waiting the time GitHub names), and `pathgate github sync` re-posting what failed."""
+"""Verdict statuses: the state mapping, a pending status while no worker serves a job's hardware,
+GitHub's length limits, retries after a rate-limit answer (waiting the time GitHub names), and
+`pathgate github sync` re-posting what failed."""
 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -18,10 +20,11 @@ from harness.github.models import StatusPosting
 from harness.github.statuses import SUMMARY_MAX, truncate_summary
 from harness.store import repositories as repo
 from harness.store.db import session_scope
-from harness.store.models import Job
+from harness.store.models import Job, WorkerHeartbeat, utcnow
 from tests.github.conftest import JobRecorder, TaskRecorder, deliver
 from tests.github.fake_github import FakeGitHub
 from tests.github.test_pull_requests import open_pull_request, run_github_tasks, submissions
+from workers.tasks import sweep_jobs
 
 CONTEXT = "pathgate/contrib-rmsnorm-cpu"
 
@@ -66,6 +69,48 @@ def test_a_verdict_without_evidence_maps_to_its_status(
     assert final["state"] == status
     assert final["description"].startswith(f"{label}: cpu: xxx")
     assert len(final["description"]) == 140 and final["description"].endswith("…")
+    assert fake_token.problems == []
+
+
+def _worker_serving_cpu(alive: bool) -> None:
+    with session_scope() as session:
+        repo.beat(session, "cpu-worker", ["cpu"], "cpu")
+        heartbeat = session.get(WorkerHeartbeat, "cpu-worker")
+        assert heartbeat is not None
+        heartbeat.last_seen = utcnow() - timedelta(hours=0 if alive else 1)
+
+
+def test_a_job_no_worker_serves_shows_as_waiting_on_the_pull_request_not_as_queued(
+    client: TestClient, tasks: TaskRecorder, fake_token: FakeGitHub, tmp_path: Path
+) -> None:
+    _worker_serving_cpu(alive=True)
+    deliver(client, "pull_request", open_pull_request(tmp_path, fake_token).payload("opened"))
+    run_github_tasks(tasks, JobRecorder())
+    [submission] = submissions()
+    assert _statuses(fake_token)[-1]["description"] == f"submission {submission.id}: queued"
+
+    _worker_serving_cpu(alive=False)  # the only cpu worker stops answering
+    sweep_jobs()
+    assert tasks.sent == [(VERDICT_TASK, submission.id)]
+    run_github_tasks(tasks, JobRecorder())
+    waiting = _statuses(fake_token)[-1]
+    assert waiting["state"] == "pending"
+    assert waiting["description"] == "waiting for hardware: cpu: no live worker serves queue cpu"
+    assert waiting["target_url"].endswith(f"/dashboard/submissions/{submission.id}")
+    sweep_jobs()  # still waiting: nothing new to say
+    assert tasks.sent == []
+
+    _worker_serving_cpu(alive=True)
+    sweep_jobs()
+    run_github_tasks(tasks, JobRecorder())
+    assert (_statuses(fake_token)[-1]["state"], _statuses(fake_token)[-1]["description"]) == (
+        "pending",
+        "queued: cpu: queued",
+    )
+    _finish_without_evidence("error", "the evaluation crashed")
+    run_github_tasks(tasks, JobRecorder())
+    assert [s["state"] for s in _statuses(fake_token)] == ["pending"] * 3 + ["error"]
+    assert fake_token.posted("check-runs") == []  # token auth: statuses only
     assert fake_token.problems == []
 
 

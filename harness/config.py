@@ -25,6 +25,8 @@ class Settings(BaseSettings):
 
     # API limits
     max_body_bytes: int = 1024 * 1024
+    # an attached `vllm bench serve` result with per-request lists (--save-detailed) is larger
+    max_serving_result_bytes: int = 16 * 1024 * 1024
     rate_limit_per_minute: int = 120
 
     # Jobs

@@ -41,7 +41,11 @@ def create_app(enqueue: Enqueue | None = None) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(ObserveRequests)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        larger={submissions.SERVING_RESULTS_PATH: settings.max_serving_result_bytes},
+    )
     return app
 
 

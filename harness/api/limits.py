@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections import deque
@@ -40,27 +41,33 @@ class RateLimiter:
 
 
 class BodySizeLimit:
-    """413 for a body over max_bytes: by its Content-Length, or, for a body sent without one
-    (chunked), by reading it here first. Counting it while a route reads it would be too late:
-    FastAPI turns any error while it parses a body into a 400."""
+    """413 for a body over its route's limit (max_bytes, or the limit of the first pattern of
+    `larger` that matches the whole path): by its Content-Length, or, for a body sent without
+    one (chunked), by reading it here first. Counting it while a route reads it would be too
+    late: FastAPI turns any error while it parses a body into a 400."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.larger = [(re.compile(pattern), limit) for pattern, limit in (larger or {}).items()]
+
+    def limit_for(self, path: str) -> int:
+        return next((n for pattern, n in self.larger if pattern.fullmatch(path)), self.max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limit_for(scope["path"])
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:  # the server holds the body to it
-            if declared.isdigit() and int(declared) > self.max_bytes:
-                await _too_large(send, self.max_bytes)
+            if declared.isdigit() and int(declared) > limit:
+                await _too_large(send, limit)
                 return
             await self.app(scope, receive, send)
             return
-        messages = await _read_body(receive, self.max_bytes)
+        messages = await _read_body(receive, limit)
         if messages is None:
-            await _too_large(send, self.max_bytes)
+            await _too_large(send, limit)
             return
         pending = iter(messages)
 

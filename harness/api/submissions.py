@@ -132,7 +132,9 @@ def rerun(submission_id: SubmissionId, session: SessionDep, token: Maintainer) -
     return [JobRead.model_validate(job) for job in jobs]
 
 
-# A vLLM result with per-request lists (--save-detailed) of 10k requests is a few MB.
+# A vLLM result with per-request lists (--save-detailed) of 10k requests is a few MB: this
+# route's bodies are held to settings.max_serving_result_bytes, not max_body_bytes (app.py).
+SERVING_RESULTS_PATH = r"/v1/submissions/\d+/serving-results"
 SourceName = Annotated[str, Query(min_length=1, max_length=255, pattern=r"^[\w.+-]+$")]
 
 

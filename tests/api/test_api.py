@@ -461,6 +461,35 @@ def test_a_vllm_result_attached_to_a_submission_becomes_evidence_rows(
     assert "Serving results" in page
 
 
+def test_a_vllm_result_may_be_larger_than_other_bodies_up_to_its_own_limit(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, alice: dict[str, str]
+) -> None:
+    """--save-detailed results run to megabytes: their route has its own limit, others keep
+    max_body_bytes."""
+    monkeypatch.setenv("PATHGATE_MAX_BODY_BYTES", "65536")
+    monkeypatch.setenv("PATHGATE_MAX_SERVING_RESULT_BYTES", "262144")
+    get_settings.cache_clear()
+    raw = VLLM_RESULT.read_bytes()
+    padded = raw + b" " * (100_000 - len(raw))  # trailing whitespace: still the same JSON
+    with TestClient(create_app(enqueue=Recorder())) as app:
+        submission_id = _submit(app, alice)
+        url = f"/v1/submissions/{submission_id}/serving-results"
+        accepted = app.post(url, params={"name": "big.json"}, content=padded, headers=alice)
+        assert accepted.status_code == 201, accepted.text
+        assert accepted.json()["sha256"] == hashlib.sha256(padded).hexdigest()
+        over = padded + b" " * 262144
+        refused = app.post(url, params={"name": "huge.json"}, content=over, headers=alice)
+        assert refused.status_code == 413
+        assert refused.json()["detail"] == "request body over 262144 bytes"
+        chunked = app.post(url, params={"name": "c.json"}, content=iter([over]), headers=alice)
+        assert chunked.status_code == 413
+        elsewhere = app.post(
+            "/v1/scopes/validate", json={"manifest": "#" + "x" * 100_000}, headers=alice
+        )
+        assert elsewhere.status_code == 413
+        assert [r["source_name"] for r in app.get(url, headers=alice).json()] == ["big.json"]
+
+
 @pytest.mark.parametrize(
     ("content", "expected"),
     [

@@ -31,7 +31,9 @@ from harness.store import repositories as repo
 from harness.store.db import session_scope
 from harness.submissions import Enqueue, Source, install_enqueue_hook, parse_manifest, submit
 
-MANIFEST_CHANGES = ("added", "modified")
+# every status of a file present at the head: a manifest renamed or copied into scopes/ (with
+# or without edits) is as new to the gate as an added one
+MANIFEST_CHANGES = ("added", "modified", "renamed", "copied", "changed")
 # author_association values of people who have not contributed to the repository before
 FIRST_TIMERS = ("FIRST_TIME_CONTRIBUTOR", "FIRST_TIMER", "NONE")
 WAITING = "waiting for a maintainer's approval (label {label})"
@@ -63,8 +65,9 @@ def process_event(event_id: int, client: GitHubClient, enqueue: Enqueue) -> list
 
 
 def changed_manifests(client: GitHubClient, event: PullRequestEvent) -> list[ManifestFile]:
-    """The added or modified scopes/*.yaml, as of the head SHA (read from the base repository,
-    which holds every pull request's commits, so an App installed there can read forks' too)."""
+    """The scopes/*.yaml the pull request adds, modifies, renames or copies, as of the head SHA
+    (read from the base repository, which holds every pull request's commits, so an App
+    installed there can read forks' too)."""
     files = client.changed_files(event.repo, event.number)
     paths = [f.path for f in files if f.status in MANIFEST_CHANGES and is_manifest(f.path)]
     return [ManifestFile(p, client.file_text(event.repo, p, event.head_sha)) for p in paths]

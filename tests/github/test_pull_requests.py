@@ -168,6 +168,23 @@ def test_pull_request_to_verdict_with_app_auth(
     assert fake_app.problems == []
 
 
+@pytest.mark.parametrize("change", ["renamed", "copied"])
+def test_a_manifest_renamed_or_copied_into_scopes_is_validated(
+    client: TestClient, tasks: TaskRecorder, fake_token: FakeGitHub, tmp_path: Path, change: str
+) -> None:
+    pr = open_pull_request(tmp_path, fake_token)
+    fake_token.pull_files[(REPO, pr.number)] = [
+        (path, change if path == "scopes/contrib-rmsnorm-cpu.yaml" else status)
+        for path, status in fake_token.pull_files[(REPO, pr.number)]
+    ]
+    deliver(client, "pull_request", pr.payload("opened"))
+    run_github_tasks(tasks, JobRecorder())
+    [submission] = submissions()
+    assert submission.scope == "contrib-rmsnorm-cpu"
+    contexts = {c.body["context"] for c in fake_token.posted("statuses")}
+    assert contexts == {"pathgate/contrib-rmsnorm-cpu", "pathgate/broken-scope"}  # not old.yaml
+
+
 def test_a_bad_manifest_gets_a_failure_status_with_its_messages_under_token_auth(
     client: TestClient, tasks: TaskRecorder, fake_token: FakeGitHub, tmp_path: Path
 ) -> None:

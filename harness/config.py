@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     # namespaces (workers/runner.py); true runs it without them, for trusted submitters only.
     allow_unisolated: bool = False
 
-    # Base URL of this service as users reach it (links in statuses, PR comments).
+    # Base URL of this service as users reach it (links in statuses and check runs).
     public_url: str = "http://127.0.0.1:8000"
 
     # GitHub (docs/github.md). Workers never need these: statuses are posted from the API side.

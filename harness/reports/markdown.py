@@ -1,7 +1,7 @@
 """The evidence report as Markdown: verdict and reasons first, then warnings, claims, correctness,
 cases, kernels, scope coverage, environment and the command that reproduces the run.
 
-It is what a GitHub check summary and a PR comment show, so it stays under GitHub's 65,535
+It is what a GitHub check-run summary shows, so it stays under GitHub's 65,535
 characters: with many cases it lists the failing ones and a sample, and says so; the HTML report
 and evidence.json hold every case.
 """

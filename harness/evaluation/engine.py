@@ -71,6 +71,7 @@ from harness.evaluation.timing import (
     eager_us,
     l2_cache_bytes,
     layer_weights,
+    pair_inputs,
     refresh_inputs,
     replay_mismatches,
     sample_interleaved,
@@ -454,14 +455,14 @@ def measure_case(
         device,
         tolerance.min_cosine,
         tolerance.deterministic,
+        pair_inputs(path, case, layer_set, derive_seed(seed, "pairs"), device),
         path.problem,
     )
     timing = sample_interleaved(
         stock_steps, candidate_steps, layer_set, device, stop, seed, sync, watched
     )
-    del watched  # its eager outputs: the replay check below makes its own
-    # The profile, the wall clock and the eager times run on the timed inputs: their work (a
-    # MoE's active experts) is the events' work, so a cross-check compares like with like.
+    # The profile, the wall clock and the eager times run on the last pair's inputs, which do
+    # the timed work (a MoE's active experts), so a cross-check compares like with like.
     # (With fresh inputs first, a batch-4 case whose timed draw routed to fewer local experts
     # than the next flagged its profile as 1.54x the events: H200 run of 2026-12-04.)
     align()
@@ -495,7 +496,8 @@ def measure_case(
         )
     stale += timing.watched_problems[:1]
     if len(timing.watched_problems) > 1:
-        stale.append(f"so did {len(timing.watched_problems) - 1} more of {timing.watched}")
+        later = len(timing.watched_problems) - 1
+        stale.append(f"so did replays in {later} later batch{'es' if later > 1 else ''}")
     stale += replay_mismatches(
         candidate_steps,
         path.candidate,
@@ -532,7 +534,7 @@ def measure_case(
         candidate_wall_us_per_layer=candidate_wall,
         integrity_flags=flags,
         watched_replays=timing.watched,
-        tallied_replays=timing.tallied,
+        timed_input_sets=timing.input_sets,
     )
     return performance, stale, timing
 

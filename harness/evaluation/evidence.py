@@ -100,13 +100,16 @@ class PerformanceEvidence(Model):
     # Independent clock: replays between two device-wide synchronizations, host wall clock.
     stock_wall_us_per_layer: float | None = None
     candidate_wall_us_per_layer: float | None = None
-    # Timed candidate replays whose outputs were compared with its eager result (one per batch
-    # of pairs, picked at random); None in evidence from before that check.
+    # Timed candidate replays whose outputs were compared with its eager result on the same
+    # inputs: all of them since 2026-12-07's pair inputs (one per batch of pairs, picked at
+    # random, before); None in evidence from before that check.
     watched_replays: int | None = None
-    # Timed candidate replays each checked on the device as it ran, all of them, against its
-    # eager result: the same bits where the scope says deterministic, else written, finite, the
-    # cosine floor and the same size.
+    # Evidence of 2026-12-07 before the pair inputs: timed candidate replays each checked on
+    # the device as it ran against its eager result on the one timed input set.
     tallied_replays: int | None = None
+    # The input sets the timed pairs ran on, a new one for every pair with the timed inputs'
+    # work (timing.PairInputs); None in evidence from before.
+    timed_input_sets: int | None = None
     # Cross-checks that disagree with the event timing: each sends the verdict to review.
     integrity_flags: list[str] = []
 

@@ -10,8 +10,8 @@ loop times eager calls with the host clock; those numbers are not GPU evidence.
 
 from __future__ import annotations
 
+import functools
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,45 +66,139 @@ class Timing:
     candidate_us: list[float] = field(default_factory=list)
     capture_index: list[int] = field(default_factory=list)  # which capture each pair used
     stop_reason: str = ""
-    watched: int = 0  # timed candidate replays whose outputs were compared (one per batch)
-    tallied: int = 0  # timed candidate replays checked on the device as they ran (all of them)
+    watched: int = 0  # timed candidate replays compared with its eager result (all of them)
+    input_sets: int = 0  # the input sets the timed pairs ran on: a new one for every pair
     watched_problems: list[str] = field(default_factory=list)  # why those disagreed
 
 
 @dataclass
+class PairInputs:
+    """A new input set for every timed pair, doing the timed inputs' work (2026-12-07).
+
+    A path that keeps a checksum of its inputs and, while it is unchanged, copies the result it
+    kept passes every check on fixed inputs and is timed doing the copy. So before each pair
+    the inputs a pair may change are drawn afresh and written in place, where both arms' graphs
+    read them: the problem's `pair_inputs(case, seed, device)` where it has one (a subset, e.g.
+    a decode layer's hidden state, the cache staying), else all of `make_inputs`. Where the
+    problem counts its work (`floor_bytes`; one GPU's whole inputs, so not under decode CP),
+    a draw is kept only when it counts the timed inputs' bytes: the experts a MoE's routing
+    activates decide its time, and every pair must time the same work. A draw is known by its
+    seed alone and made again when needed, so a pair's inputs cost no memory while they wait."""
+
+    draw: Callable[[int, int], Tensors]  # (layer, seed): the values a pair writes
+    work: Callable[[int, Tensors], int] | None  # (layer, those values): the bytes they need
+    wanted: list[int | None]  # each layer's bytes on the timed inputs
+    layer_set: LayerSet
+    seed: int
+
+    def seeds_for_batch(self, batch: int, pairs: int) -> list[list[int]]:
+        """Each pair's seeds, one per layer, drawn before the batch (the work check
+        synchronizes with the device, so it stays out of the enqueued replays)."""
+        return [
+            [self._seed_with_the_work(batch, pair, layer) for layer in range(len(self.wanted))]
+            for pair in range(pairs)
+        ]
+
+    def _seed_with_the_work(self, batch: int, pair: int, layer: int) -> int:
+        for attempt in range(MAX_INPUT_DRAWS):
+            seed = derive_seed(self.seed, "pair inputs", batch, pair, layer, attempt)
+            if self.work is None or self.work(layer, self.draw(layer, seed)) == self.wanted[layer]:
+                return seed
+        raise RuntimeError(
+            f"none of {MAX_INPUT_DRAWS} input sets drawn for a timed pair needed layer {layer}'s "
+            f"{self.wanted[layer]} bytes of the timed inputs (the problem's floor_bytes)"
+        )
+
+    def write(self, seeds: list[int]) -> None:
+        """One pair's inputs, written into every layer's input tensors in place."""
+        for layer, seed in enumerate(seeds):
+            inputs = self.layer_set.args[layer][1]
+            for name, value in self.draw(layer, seed).items():
+                inputs[name].copy_(value)
+
+
+MAX_INPUT_DRAWS = 1000  # a MoE layer at batch 1 matches a rare expert count about 1 draw in 100
+
+
+def pair_inputs(
+    path: LoadedPath, case: Case, layer_set: LayerSet, seed: int, device: torch.device
+) -> PairInputs:
+    """The timed pairs' input sets for `layer_set`, whose inputs now hold the timed inputs."""
+    problem = path.problem
+    hook = getattr(problem, "pair_inputs", None)
+    floor = getattr(problem, "floor_bytes", None) if case.cp == 1 else None
+
+    def draw(layer: int, draw_seed: int) -> Tensors:
+        make = hook or problem.make_inputs
+        values = make(case, draw_seed, device)
+        held = layer_set.args[layer][1]
+        for name, value in values.items():
+            like = held.get(name)
+            if like is None or value.shape != like.shape or value.dtype != like.dtype:
+                raise TypeError(
+                    f"{type(problem).__name__}'s pair inputs give '{name}' as "
+                    f"{tuple(value.shape)} {value.dtype}, which the layer's inputs do not hold"
+                )
+        return dict(values)
+
+    draw(0, seed)  # a problem whose draws the layers cannot hold says so before any timing
+    work = _work_counter(floor, case, layer_set) if floor is not None else None
+    wanted: list[int | None] = [
+        work(layer, {}) if work is not None else None for layer in range(len(layer_set.args))
+    ]
+    return PairInputs(draw, work, wanted, layer_set, seed)
+
+
+def _work_counter(
+    floor: Callable[..., int], case: Case, layer_set: LayerSet
+) -> Callable[[int, Tensors], int]:
+    """(layer, values) -> the problem's floor bytes of that layer with `values` written in."""
+
+    def work(layer: int, values: Tensors) -> int:
+        weights, inputs, _ = layer_set.args[layer]
+        return int(floor(case, weights, {**inputs, **values}))
+
+    return work
+
+
+@dataclass
 class WatchedReplays:
-    """Holds the timed replays themselves to account (2026-12-06 review). Every timed call of
-    either arm starts on outputs poisoned with NaN, outside its events, so a capture that does
-    its work only when its outputs look checked does it in every timed call. After every timed
-    candidate call, outside its events, `tally` counts on the device whether that replay
-    disagrees with the candidate's own eager result on the same inputs, by the rule of the
-    replay check (_first_disagreement): a capture that skips one replay in ten is caught. And
-    one candidate replay per batch, picked by a generator the candidate cannot seed, has its
-    outputs copied outside the events and compared on the host, which names what is wrong
-    (`judge(copied outputs)`: why they are wrong, None when they are right).
-    `check`: what the tally checks, in words."""
+    """Holds the timed replays themselves to account (2026-12-06 review, 2026-12-07). Every
+    timed call of either arm starts on outputs poisoned with NaN, outside its events, so a
+    capture that does its work only when its outputs look checked does it in every timed call.
+    Every pair runs on inputs of its own (`inputs`), so no timed call meets inputs the
+    candidate has seen. After every timed candidate call its outputs are copied, outside the
+    events; once the batch has synchronized, each pair's inputs are written again and the
+    candidate's eager call on them (made after the timed one: made before, it would let a
+    cache fill) is the yardstick for that copy, by the rule of the replay check
+    (_first_disagreement). `check`: what is demanded, in words."""
 
     poison: Callable[[], None]
-    tally: Callable[[], None]
-    disagreeing: torch.Tensor  # tallied replays that disagreed since the last read
-    check: str
+    inputs: PairInputs
+    # On the inputs the layers hold now: the candidate's eager call, and from it the judge of
+    # a copied replay's outputs (why they are wrong; None when they are right).
+    yardstick: Callable[[], Callable[[list[Tensors]], str | None]]
     outputs: list[Tensors]
-    judge: Callable[[list[Tensors]], str | None]
-    copied: list[Tensors] = field(default_factory=list)
+    check: str
+    copied: dict[int, list[Tensors]] = field(default_factory=dict)
 
-    def copy(self) -> None:
+    def copy(self, pair: int) -> None:
         require_plain_tensors(*self.outputs, when="before a timed replay's outputs were copied")
-        self.copied = [{n: t.clone() for n, t in outputs.items()} for outputs in self.outputs]
+        self.copied[pair] = [{n: t.clone() for n, t in outputs.items()} for outputs in self.outputs]
 
-    def verdict(self) -> str | None:
-        copied, self.copied = self.copied, []
-        return self.judge(copied) if copied else "was never copied"
-
-    def disagreed(self) -> int:
-        """Tallied replays that disagreed since the last call (after a synchronize)."""
-        count = int(self.disagreeing.item())
-        self.disagreeing.zero_()
-        return count
+    def disagreements(self, seeds: list[list[int]]) -> list[str]:
+        """Why each of the batch's copied replays is wrong, in pair order (empty: all right).
+        Every pair's eager call runs before any is judged: on N ranks they are collectives."""
+        copied, self.copied = self.copied, {}
+        judges = []
+        for pair_seeds in seeds:
+            self.inputs.write(pair_seeds)
+            judges.append(self.yardstick())
+        problems = [
+            judge(copied[pair]) if pair in copied else "was never copied"
+            for pair, judge in enumerate(judges)
+        ]
+        return [problem for problem in problems if problem]
 
 
 def layers_for(bytes_per_layer: int, device: torch.device, max_layers: int) -> int:
@@ -129,14 +223,10 @@ class RankSync:
         collectives would pair the wrong ones and hang.
     align: returns on every rank at about the same moment. Called before each measured block:
         a rank that starts early would otherwise count its wait for the late one in the first
-        collective as its own time.
-    same_pick: from this rank's random draw, the one number every rank gets (the sum of all
-        ranks' draws): every rank copies the same timed replay's outputs, so no rank's copy
-        holds up its peer's next timed call in a collective."""
+        collective as its own time."""
 
     layers: Callable[[int], int]
     align: Callable[[], None]
-    same_pick: Callable[[int], int] = field(default=lambda draw: draw)
 
 
 def build_layers(
@@ -214,19 +304,18 @@ def sample_interleaved(
     stock and candidate hold one step runner per capture; batch k uses capture k % captures.
     The first batch of each capture warms up and is not sampled: on the H100 of 2026-12-06 the
     first ~10 ms of replays after the checks' set-up ran 5-12% slower (the GPU had idled while a
-    graph was captured). On N ranks every batch starts aligned. `watched`: the timed replays
-    checked as they run (the warm-up's too).
+    graph was captured). On N ranks every batch starts aligned. `watched`: every pair on inputs
+    of its own, and the timed replays checked (the warm-up's too).
     """
     method = "cuda-graph" if device.type == "cuda" else "cpu-host-clock"
     timing = Timing(method, len(layer_set.args), layer_set.working_set_bytes)
     started = time.perf_counter()
-    pick = random.SystemRandom()  # os.urandom: no seed the candidate could know or set
     batch = 0
     while True:
         capture = batch % len(stock)
-        copied = pick.randrange(stop.pairs_per_batch)
+        if watched:
+            seeds = watched.inputs.seeds_for_batch(batch, stop.pairs_per_batch)
         if sync is not None:
-            copied = sync.same_pick(copied) % stop.pairs_per_batch
             sync.align()
         if watched:
             new_pairs = timed_pairs(
@@ -235,10 +324,10 @@ def sample_interleaved(
                 stop.pairs_per_batch,
                 device,
                 watched.poison,
-                watched.tally,
-                (copied, watched.copy),
+                functools.partial(_write_pair, watched.inputs, seeds),
+                watched.copy,
             )
-            _judge_watched(timing, watched, batch, capture, stop.pairs_per_batch)
+            _judge_watched(timing, watched, seeds, batch, capture)
         else:
             new_pairs = timed_pairs(
                 stock[capture], candidate[capture], stop.pairs_per_batch, device
@@ -267,25 +356,27 @@ def sample_interleaved(
             return timing
 
 
+def _write_pair(inputs: PairInputs, seeds: list[list[int]], pair: int) -> None:
+    inputs.write(seeds[pair])
+
+
 def _judge_watched(
-    timing: Timing, watched: WatchedReplays, batch: int, capture: int, replays: int
+    timing: Timing, watched: WatchedReplays, seeds: list[list[int]], batch: int, capture: int
 ) -> None:
-    timing.watched += 1
-    timing.tallied += replays
-    wrong, compared = watched.disagreed(), watched.verdict()
-    where = f"(batch {batch}, capture {capture})"
-    if wrong:  # the tally says how many
-        problem = f"{wrong} of the {replays} timed replays of the candidate {where} {watched.check}"
-    elif compared:
-        problem = f"a timed replay of the candidate {where} {compared}"
-    else:
+    replays = len(seeds)
+    timing.watched += replays
+    timing.input_sets += replays
+    wrong = watched.disagreements(seeds)
+    if not wrong:
         return
     if timing.watched_problems:  # the first one tells the story
         timing.watched_problems.append(f"batch {batch}")
-    else:
-        timing.watched_problems.append(
-            f"{problem}: work done only when it is checked, or outputs cached"
-        )
+        return
+    timing.watched_problems.append(
+        f"{len(wrong)} of the {replays} timed replays of the candidate (batch {batch}, capture "
+        f"{capture}), each on inputs of its own, {watched.check}; the first {wrong[0]}: work "
+        "done only when it is checked, or outputs cached"
+    )
 
 
 def poison_value(tensor: torch.Tensor) -> float | int | bool:
@@ -310,61 +401,11 @@ def output_poisoner(layer_set: LayerSet, device: torch.device) -> Callable[[], N
     return one_launch(lambda: poison_outputs(layer_set), device)
 
 
-def replay_tally(
-    layer_set: LayerSet,
-    expected: list[Tensors],
-    exact: bool,
-    min_cosine: float,
-    keeps: list[dict[str, torch.Tensor]],
-    device: torch.device,
-) -> tuple[Callable[[], None], torch.Tensor]:
-    """(tally, counter): each tally adds 1 to the counter, on the device and without a host
-    synchronization, when the layers' outputs now break _first_disagreement's rule against
-    `expected`: other bits (`exact`), else a value unwritten or non-finite, or outside the
-    near-tie rows a cosine below min_cosine or a size further off than the cosine floor."""
-    counter = torch.zeros((), dtype=torch.int64, device=device)
-    # on the device before the capture: a host-to-device copy cannot be captured
-    keeps = [{name: rows.to(device) for name, rows in keep.items()} for keep in keeps]
-
-    def tally() -> None:
-        wrong = torch.zeros((), dtype=torch.bool, device=device)
-        for (_, _, outputs), wanted, keep in zip(layer_set.args, expected, keeps, strict=True):
-            for name, value in outputs.items():
-                if exact:
-                    wrong |= (value != wanted[name]).any()
-                else:
-                    wrong |= far_from(value, wanted[name], keep.get(name), min_cosine)
-        counter.add_(wrong)
-
-    return one_launch(tally, device), counter
-
-
 def size_tolerance(min_cosine: float) -> float:
     """The largest relative error that agrees with a cosine floor. A cosine sees directions
     only (a halved output has cosine 1): the size must agree as closely, sqrt(2 (1 - cosine))
     being the distance of two unit vectors at that cosine."""
     return math.sqrt(2 * (1 - min_cosine))
-
-
-def far_from(
-    value: torch.Tensor, reference: torch.Tensor, keep: torch.Tensor | None, min_cosine: float
-) -> torch.Tensor:
-    """_first_disagreement's rule where the path is not deterministic, as a device bool with no
-    host synchronization (capturable): True when `value` has a non-finite element, or, in the
-    rows `keep` marks, a cosine to `reference` below min_cosine or a relative error above
-    sqrt(2 (1 - min_cosine))."""
-    not_finite = ~value.isfinite().all()
-    v, r = value.to(REFERENCE_DTYPE), reference.to(REFERENCE_DTYPE)
-    if keep is not None:  # a mask, not an index: its row count would need the host
-        rows = keep.reshape(keep.shape + (1,) * (value.dim() - keep.dim()))
-        v, r = torch.where(rows, v, 0.0), torch.where(rows, r, 0.0)
-    v_norm, r_norm = torch.linalg.vector_norm(v), torch.linalg.vector_norm(r)
-    norms = v_norm * r_norm
-    same = (v == r).all().to(REFERENCE_DTYPE)
-    cosine = torch.where(norms > 0, (v * r).sum() / norms, same)  # as cosine_similarity
-    distance = torch.linalg.vector_norm(v - r)
-    error = torch.where(r_norm > 0, distance / r_norm, distance)  # as relative_error
-    return not_finite | ~(cosine >= min_cosine) | ~(error <= size_tolerance(min_cosine))
 
 
 def one_launch(work: Callable[[], None], device: torch.device) -> Callable[[], None]:
@@ -384,17 +425,19 @@ def watched_replays(
     device: torch.device,
     min_cosine: float,
     exact: bool,
+    inputs: PairInputs,
     problem: object = None,
 ) -> WatchedReplays:
-    """The check of the timed replays, against the candidate's eager outputs on the inputs
-    the layers hold now (the timed inputs)."""
-    poison = output_poisoner(layer_set, device)  # first: a capture idles the GPU (gc, sync)
-    expected = _eager_outputs(candidate_fn, layer_set, device)
-    keeps = pooled_comparable_rows(problem, [(w, i) for w, i, _ in layer_set.args])
-    tally, counter = replay_tally(layer_set, expected, exact, min_cosine, keeps, device)
+    """The check of the timed replays, each against the candidate's eager result on its own
+    pair's inputs."""
+    poison = output_poisoner(layer_set, device)
 
-    def judge(copied: list[Tensors]) -> str | None:
-        return _first_disagreement(copied, expected, min_cosine, keeps, exact)
+    def yardstick() -> Callable[[list[Tensors]], str | None]:
+        expected = _eager_outputs(candidate_fn, layer_set, device)
+        keeps: list[dict[str, torch.Tensor]] = [{} for _ in layer_set.args]
+        if not exact:  # the near-tie rows of these inputs (a float64 pass: not where unused)
+            keeps = pooled_comparable_rows(problem, [(w, i) for w, i, _ in layer_set.args])
+        return lambda copied: _first_disagreement(copied, expected, min_cosine, keeps, exact)
 
     check = (
         "gave other bits than its own eager result on the same inputs (the scope says the "
@@ -404,7 +447,7 @@ def watched_replays(
         f"as a cosine of {min_cosine} and the same size demand"
     )
     outputs = [outputs for _, _, outputs in layer_set.args]
-    return WatchedReplays(poison, tally, counter, check, outputs, judge)
+    return WatchedReplays(poison, inputs, yardstick, outputs, check)
 
 
 def step_runners(
@@ -443,26 +486,27 @@ def timed_pairs(
     count: int,
     device: torch.device,
     between: Callable[[], None] | None = None,
-    after_b: Callable[[], None] | None = None,
-    watch: tuple[int, Callable[[], None]] | None = None,
+    before_pair: Callable[[int], None] | None = None,
+    after_b: Callable[[int], None] | None = None,
 ) -> list[tuple[float, float]]:
     """`count` (a_us, b_us) pairs, run strictly alternating; odd pairs run b first.
 
     Outside the timed intervals: `between` runs before every call (the engine poisons the
-    outputs there), `after_b` after every b call (the engine tallies its replay there), and
-    `watch` = (pair index, function): the function after that pair's b call (the engine copies
-    its outputs there)."""
+    outputs there), `before_pair(i)` before pair i's first call (the engine writes the pair's
+    inputs there) and `after_b(i)` after pair i's b call (the engine copies its outputs there)."""
     calls = []
     for i in range(count):
         calls += [a, b] if i % 2 == 0 else [b, a]
+    before: dict[int, list[Callable[[], None]]] = {}
     after: dict[int, list[Callable[[], None]]] = {}
     for i in range(count):
         b_index = 2 * i + (1 if i % 2 == 0 else 0)
-        after[b_index] = [after_b] if after_b else []
-        if watch is not None and watch[0] == i:
-            after[b_index].append(watch[1])
+        if before_pair is not None:
+            before[2 * i] = [functools.partial(before_pair, i)]
+        if after_b is not None:
+            after[b_index] = [functools.partial(after_b, i)]
     clock = _cuda_intervals if device.type == "cuda" else _host_intervals
-    times = clock(calls, between or _nothing, after)
+    times = clock(calls, between or _nothing, before, after)
     pairs = []
     for i in range(count):
         first, second = times[2 * i], times[2 * i + 1]
@@ -477,14 +521,18 @@ def _nothing() -> None:
 def _cuda_intervals(
     calls: list[Callable[[], None]],
     between: Callable[[], None],
+    before: dict[int, list[Callable[[], None]]],
     after: dict[int, list[Callable[[], None]]],
 ) -> list[float]:
     """Microseconds of each call between its own two CUDA events, all enqueued before one
-    synchronize; `between` and `after[index]` are enqueued outside the events."""
+    synchronize; `before[index]`, `between` and `after[index]` are enqueued outside the
+    events."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in calls]
     ends = [torch.cuda.Event(enable_timing=True) for _ in calls]
     torch.cuda._sleep(2_000_000)  # the GPU spins (~1 ms) while the host enqueues ahead of it
     for index, (call, start, end) in enumerate(zip(calls, starts, ends, strict=True)):
+        for function in before.get(index, []):
+            function()
         between()
         start.record()
         call()
@@ -498,10 +546,13 @@ def _cuda_intervals(
 def _host_intervals(
     calls: list[Callable[[], None]],
     between: Callable[[], None],
+    before: dict[int, list[Callable[[], None]]],
     after: dict[int, list[Callable[[], None]]],
 ) -> list[float]:
     times = []
     for index, call in enumerate(calls):
+        for function in before.get(index, []):
+            function()
         between()
         started = time.perf_counter()
         call()

@@ -169,9 +169,10 @@ def replay_checks(evidence: Evidence) -> str | None:
     timed = [c.performance for c in evidence.cases if c.performance]
     compared = [p.watched_replays for p in timed if p.watched_replays is not None]
     tallied = [p.tallied_replays for p in timed if p.tallied_replays is not None]
+    input_sets = [p.timed_input_sets for p in timed if p.timed_input_sets is not None]
     if not compared:
         return None
-    if not tallied:  # evidence of 2026-12-06, before every replay was tallied
+    if not tallied and not input_sets:  # evidence of 2026-12-06, before every replay was tallied
         return (
             f"{sum(compared)} timed replays of the candidate were compared with its eager "
             "result as they ran."
@@ -182,7 +183,13 @@ def replay_checks(evidence: Evidence) -> str | None:
         if tolerance.deterministic
         else "written, finite, and as close to its eager result as the cosine floor demands"
     )
-    return (
+    if input_sets:
+        return (
+            f"All {sum(compared)} timed replays of the candidate were checked ({what} on the "
+            f"same inputs); each timed pair ran on inputs of its own ({sum(input_sets)} sets), "
+            "drawn with the timed inputs' work, so no timed call met inputs seen before."
+        )
+    return (  # evidence of 2026-12-07, before the timed pairs' own inputs
         f"All {sum(tallied)} timed replays of the candidate were checked as they ran ({what}); "
         f"{sum(compared)} of them, one per batch, were compared in full with its eager result."
     )

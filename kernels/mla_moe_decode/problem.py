@@ -59,18 +59,32 @@ class Problem:
         standard-normal data fails); the cache and positions as `_kv_cache` and
         POSITION_SPREAD describe."""
         context = _context(case)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        hidden = self._hidden_states(case, seed, gen, device)
+        kv_cache = _kv_cache(self.config, case.batch, context, gen, device, _dtype(case))
+        jitter = torch.randint(0, POSITION_SPREAD, (case.batch,), generator=gen, device=device)
+        return {**hidden, "kv_cache": kv_cache, "positions": context + jitter}
+
+    def pair_inputs(self, case: Case, seed: int, device: torch.device) -> Tensors:
+        """A new hidden state for one timed pair (the harness's `timing.PairInputs`): x and
+        residual drawn as make_inputs draws them. The cache and positions, nearly all of the
+        inputs' bytes, stay; the harness redraws until the routing activates as many local
+        experts as on the timed inputs (`floor_bytes`), so every pair does the same work."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return self._hidden_states(case, seed, gen, device)
+
+    def _hidden_states(
+        self, case: Case, seed: int, gen: torch.Generator, device: torch.device
+    ) -> Tensors:
         host = torch.Generator().manual_seed(seed)
         scale = float(torch.empty(1).uniform_(0.5, 4.0, generator=host))
         # An offset shared by every token also pulls their routing together; in units of the
         # scale it stays a minor part of each hidden state, so tokens still spread over experts.
         offset = scale * float(torch.empty(1).uniform_(-0.5, 0.5, generator=host))
-        gen = torch.Generator(device=device).manual_seed(seed)
         dtype, shape = _dtype(case), (case.batch, self.config.hidden)
         x = _normal(shape, gen, device, dtype).mul_(scale).add_(offset)
         residual = _normal(shape, gen, device, dtype).mul_(scale)
-        kv_cache = _kv_cache(self.config, case.batch, context, gen, device, dtype)
-        jitter = torch.randint(0, POSITION_SPREAD, (case.batch,), generator=gen, device=device)
-        return {"x": x, "residual": residual, "kv_cache": kv_cache, "positions": context + jitter}
+        return {"x": x, "residual": residual}
 
     def shard_inputs(self, case: Case, inputs: Tensors, cp_rank: int) -> Tensors:
         """Decode CP: rank `cp_rank` of case.cp holds its contiguous slice of the cache

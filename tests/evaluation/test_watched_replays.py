@@ -1,8 +1,8 @@
-"""The timed replays are checked as they run (2026-12-06 review): every timed call of either
-arm starts on outputs poisoned outside its interval; every candidate call is tallied on the
-device against the candidate's own eager result (the same bits where the scope says the path is
-deterministic, else the cosine floor and size); and one candidate call per batch, picked where
-the candidate cannot see, is compared on the host, which names what is wrong."""
+"""The timed replays are held to account (2026-12-06 review, 2026-12-07): every timed call of
+either arm starts on outputs poisoned outside its interval; every pair runs on inputs of its
+own, drawn with the timed inputs' work; and every candidate call's outputs are compared with the
+candidate's own eager result on its pair's inputs (the same bits where the scope says the path
+is deterministic, else the cosine floor and size), which names what is wrong."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ import torch
 
 from harness.evaluation import engine
 from harness.evaluation.cases import Case
-from harness.evaluation.loading import load_path
+from harness.evaluation.loading import LoadedPath, load_path
 from harness.evaluation.timing import (
+    MAX_INPUT_DRAWS,
     LayerSet,
-    RankSync,
     StopRule,
-    _first_disagreement,
-    far_from,
     one_launch,
     output_poisoner,
+    pair_inputs,
     sample_interleaved,
     timed_pairs,
     watched_replays,
@@ -53,15 +52,18 @@ def test_the_work_between_and_after_calls_stays_outside_their_intervals() -> Non
         2,
         CPU,
         _spin(0.004, log, "poison"),
-        _spin(0.004, log, "tally"),
-        (1, _spin(0.004, log, "copy")),
+        lambda pair: _spin(0.004, log, f"inputs {pair}")(),
+        lambda pair: _spin(0.004, log, f"copy {pair}")(),
     )
-    # pair 1 runs b first: the copy follows that b call's tally, before pair 1's a
+    # pair 1 runs b first: its inputs come before its first call's poison
     assert log == [
-        *("poison", "a", "poison", "b", "tally"),
-        *("poison", "b", "tally", "copy", "poison", "a"),
+        *("inputs 0", "poison", "a", "poison", "b", "copy 0"),
+        *("inputs 1", "poison", "b", "copy 1", "poison", "a"),
     ]
     assert all(900 < us < 3000 for pair in pairs for us in pair), pairs
+
+
+CASE = Case(4, None, 1, 1, "bfloat16", "cpu")
 
 
 def _layer_set(batch: int = 4, layers: int = 2, device: torch.device = CPU) -> LayerSet:
@@ -86,6 +88,14 @@ def _steps(fn, layer_set: LayerSet):  # type: ignore[no-untyped-def]
     return [step]
 
 
+def _watched(candidate, layer_set: LayerSet, exact: bool, problem=None, device=CPU):  # type: ignore[no-untyped-def]
+    problem = problem or Problem({"hidden": 64})
+    path = LoadedPath(problem, stock.forward, candidate, lambda case: True)
+    case = Case(4, None, 1, 1, "bfloat16", device.type)
+    inputs = pair_inputs(path, case, layer_set, 5, device)
+    return watched_replays(candidate, layer_set, device, 0.9999, exact, inputs, problem)
+
+
 def test_every_timed_call_of_both_arms_starts_on_poisoned_outputs() -> None:
     layer_set = _layer_set()
     seen: list[bool] = []
@@ -94,31 +104,71 @@ def test_every_timed_call_of_both_arms_starts_on_poisoned_outputs() -> None:
         seen.append(all(bool(t.isnan().all()) for t in out.values()))
         stock.forward(weights, inputs, out)
 
-    watched = watched_replays(stock.forward, layer_set, CPU, 0.9999, exact=True)
+    watched = _watched(stock.forward, layer_set, exact=True)
     steps = _steps(looking, layer_set)
     timing = sample_interleaved(steps, steps, layer_set, CPU, STOP, 1, None, watched)
     assert len(seen) == 2 * (3 + 6) * 2 and all(seen)  # 2 arms x (warm-up + 6) pairs x 2 layers
-    assert timing.watched == 1 + 2 and timing.watched_problems == []
-    assert timing.tallied == 3 + 6  # every candidate call, the warm-up's too
+    assert timing.watched == 3 + 6 and timing.watched_problems == []  # every candidate call
+    assert timing.input_sets == 3 + 6
 
 
-def _wrong_while_timed(scale: float):  # type: ignore[no-untyped-def]
-    """Right on its first call per layer (the eager yardstick), then scaled."""
-    calls = {"n": 0}
+def test_every_pair_runs_on_inputs_of_its_own_and_both_arms_on_the_same() -> None:
+    """The checksum cache of the 2026-12-07 review: no timed call may meet inputs the candidate
+    has seen, and the stock path must time the same inputs as the candidate beside it."""
+    layer_set = _layer_set()
+    buffers = {i["x"].data_ptr() for _, i, _ in layer_set.args}  # the timed graphs' inputs
+    built_with = {_content(i["x"]) for _, i, _ in layer_set.args}
+    calls: list[tuple[str, bool, bytes]] = []  # (arm, timed, x)
+
+    def recording(arm: str):  # type: ignore[no-untyped-def]
+        def forward(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
+            calls.append((arm, inputs["x"].data_ptr() in buffers, _content(inputs["x"])))
+            stock.forward(weights, inputs, out)
+
+        return forward
+
+    watched = _watched(recording("c"), layer_set, exact=True)
+    steps = [_steps(recording(arm), layer_set) for arm in ("s", "c")]
+    timing = sample_interleaved(*steps, layer_set, CPU, STOP, 1, None, watched)
+    assert timing.watched_problems == []
+    stock_x = [x for arm, _, x in calls if arm == "s"]
+    candidate_timed = [x for arm, timed, x in calls if arm == "c" and timed]
+    checked = [x for arm, timed, x in calls if arm == "c" and not timed]  # eager, on copies
+    assert len(stock_x) == 2 * (3 + 6) == len(set(stock_x))  # layers x pairs: all different
+    assert not set(stock_x) & built_with
+    assert sorted(candidate_timed) == sorted(stock_x) == sorted(checked)
+    for x in candidate_timed:  # timed before it was ever checked
+        first = next(n for n, call in enumerate(calls) if call[0] == "c" and call[2] == x)
+        assert calls[first][1], "the candidate met a timed pair's inputs before it was timed"
+
+
+def _content(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.contiguous().view(torch.uint8).flatten().tolist())
+
+
+def _timed_inputs(layer_set: LayerSet) -> set[int]:
+    """Where the timed graphs' inputs live: the eager checks run on copies elsewhere."""
+    return {inputs["x"].data_ptr() for _, inputs, _ in layer_set.args}
+
+
+def _wrong_while_timed(scale: float, layer_set: LayerSet):  # type: ignore[no-untyped-def]
+    """Right in its eager calls (the yardstick), scaled in its timed ones."""
+    timed = _timed_inputs(layer_set)
 
     def forward(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
         stock.forward(weights, inputs, out)
-        calls["n"] += 1
-        if calls["n"] > 2:
+        if inputs["x"].data_ptr() in timed:
             out["out"].mul_(scale)
 
     return forward
 
 
-def _problems_of_timing(candidate, exact: bool) -> list[str]:  # type: ignore[no-untyped-def]
-    """The watched replays' findings after the stock path and `candidate` were timed."""
+def _problems_of_timing(scale: float, exact: bool) -> list[str]:
+    """The watched replays' findings after the stock path and a candidate wrong by `scale`
+    while timed were timed."""
     layer_set = _layer_set()
-    watched = watched_replays(candidate, layer_set, CPU, 0.9999, exact)
+    candidate = _wrong_while_timed(scale, layer_set)
+    watched = _watched(candidate, layer_set, exact)
     stock_steps, candidate_steps = _steps(stock.forward, layer_set), _steps(candidate, layer_set)
     timing = sample_interleaved(
         stock_steps, candidate_steps, layer_set, CPU, STOP, 1, None, watched
@@ -137,9 +187,9 @@ def _problems_of_timing(candidate, exact: bool) -> list[str]:  # type: ignore[no
 def test_a_timed_replay_that_differs_from_the_eager_result_is_named(
     scale: float, exact: bool, wanted: str
 ) -> None:
-    first, *rest = _problems_of_timing(_wrong_while_timed(scale), exact)
-    # exact: every replay's tally finds it ("3 of the 3"); else the compared one names the error
-    assert "of the candidate (batch 0, capture 0)" in first and wanted in first, first
+    first, *rest = _problems_of_timing(scale, exact)
+    assert first.startswith("3 of the 3 timed replays of the candidate (batch 0, capture 0)")
+    assert wanted in first, first
     assert rest == ["batch 1", "batch 2"]  # a warm-up batch and two sampled
 
 
@@ -147,45 +197,46 @@ def test_exactness_catches_what_the_cosine_lets_through() -> None:
     """The requantized capture of the review: a close, cheaper result (0.5% off in size, within
     the cosine floor's closeness)."""
     for exact, caught in ((False, False), (True, True)):
-        assert bool(_problems_of_timing(_wrong_while_timed(1.005), exact)) == caught
+        assert bool(_problems_of_timing(1.005, exact)) == caught
 
 
 def test_measure_case_fails_a_case_whose_timed_replays_were_wrong(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A candidate wrong only while it is timed (here: the sampling itself flips it) passes
-    every check before and after the timing; the watched replays name it."""
+    """A candidate wrong only while it is timed (here: the timed pairs themselves flip it)
+    passes every check before and after the timing; the watched replays name it."""
+    from harness.evaluation import timing
     from tests.fixtures import bad_paths
 
     timing_now = {"on": False}
-    real = engine.sample_interleaved
+    real = timing.timed_pairs
 
     def flagged(*args: object, **kwargs: object) -> object:
         timing_now["on"] = True
         try:
-            return real(*args, **kwargs)
+            return real(*args, **kwargs)  # type: ignore[arg-type]
         finally:
             timing_now["on"] = False
 
-    def wrong_while_sampled(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
+    def wrong_while_timed(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
         stock.forward(weights, inputs, out)
         if timing_now["on"]:
             out["out"].neg_()
 
-    monkeypatch.setattr(engine, "sample_interleaved", flagged)
-    monkeypatch.setattr(bad_paths, "honest_forward", wrong_while_sampled)
+    monkeypatch.setattr(timing, "timed_pairs", flagged)
+    monkeypatch.setattr(bad_paths, "honest_forward", wrong_while_timed)
     manifest = make_manifest("honest_forward")
     stop = StopRule(min_pairs=4, max_pairs=4, pairs_per_batch=2, captures=1)
     case = Case(3, None, 1, 1, "bfloat16", "cpu")
     performance, stale, _ = engine.measure_case(
         load_path(manifest), case, 7, stop, 2, CPU, manifest
     )
-    assert performance.watched_replays == 3  # a warm-up batch and two sampled
-    assert performance.tallied_replays == 3 * 2
+    assert performance.watched_replays == 3 * 2  # a warm-up batch and two sampled, all pairs
+    assert performance.timed_input_sets == 3 * 2 and performance.tallied_replays is None
     assert len(stale) == 2, stale
     assert stale[0].startswith("2 of the 2 timed replays of the candidate (batch 0, capture 0)")
     assert "other bits" in stale[0]
-    assert stale[1] == "so did 2 more of 3"
+    assert stale[1] == "so did replays in 2 later batches"
 
 
 def test_integer_outputs_are_poisoned_with_their_largest_value() -> None:
@@ -195,13 +246,17 @@ def test_integer_outputs_are_poisoned_with_their_largest_value() -> None:
     assert outputs["ids"].tolist() == [2**31 - 1] * 3 and outputs["mask"].all()
 
 
-def _skips_one_step_in(every: int, device: torch.device):  # type: ignore[no-untyped-def]
-    """Right on every call but each `every`-th step (two layers), which leaves its outputs as
-    they were. The count lives on the device, so each replay of one captured graph decides
-    afresh (as the corpus's skips_now_and_then)."""
+def _skips_one_step_in(every: int, layer_set: LayerSet, device: torch.device):  # type: ignore[no-untyped-def]
+    """Right in its eager calls; in its timed ones right but each `every`-th step (two layers),
+    which leaves its outputs as they were. The count lives on the device, so each replay of
+    one captured graph decides afresh (as the corpus's skips_now_and_then)."""
     calls = torch.zeros((), dtype=torch.int64, device=device)
+    timed = _timed_inputs(layer_set)
 
     def forward(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
+        if inputs["x"].data_ptr() not in timed:
+            stock.forward(weights, inputs, out)
+            return
         calls.add_(1)
         skip = torch.remainder(torch.div(calls - 1, 2, rounding_mode="floor"), every) == every - 1
         fresh = {name: torch.empty_like(value) for name, value in out.items()}
@@ -214,17 +269,17 @@ def _skips_one_step_in(every: int, device: torch.device):  # type: ignore[no-unt
 
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_every_timed_replay_is_tallied_so_a_rarely_skipped_one_is_caught(
+def test_every_timed_replay_is_checked_so_a_rarely_skipped_one_is_caught(
     exact: bool, device: str
 ) -> None:
-    """A capture skipping one timed replay in nine: the one compared replay per batch misses it
-    most of the time, the tally of every replay does not (the skipped one stays poisoned). On
-    CUDA both steps and the tally (far_from where not exact) are captured graphs."""
+    """A capture skipping one timed replay in nine (its outputs stay poisoned) is found in
+    every batch. On CUDA both steps are captured graphs and the pairs' inputs are written
+    between their replays."""
     where = torch.device(device)
     stop = StopRule(min_pairs=27, max_pairs=27, pairs_per_batch=9, captures=1)
     layer_set = _layer_set(device=where)
-    candidate = _skips_one_step_in(9, where)
-    watched = watched_replays(candidate, layer_set, where, 0.9999, exact)  # its first step: right
+    candidate = _skips_one_step_in(9, layer_set, where)
+    watched = _watched(candidate, layer_set, exact, device=where)
     stock_step, candidate_step = (
         one_launch(_steps(fn, layer_set)[0], where) for fn in (stock.forward, candidate)
     )
@@ -234,61 +289,81 @@ def test_every_timed_replay_is_tallied_so_a_rarely_skipped_one_is_caught(
     check = "other bits" if exact else "were not written, finite and as close"
     first, *rest = timing.watched_problems
     assert first.startswith("1 of the 9 timed replays of the candidate (batch 0, capture 0)")
-    assert check in first and rest == ["batch 1", "batch 2", "batch 3"]
-    assert timing.tallied == 4 * 9
+    assert check in first and "left layer 0's 'out' unwritten" in first, first
+    assert rest == ["batch 1", "batch 2", "batch 3"]
+    assert timing.watched == timing.input_sets == 4 * 9
 
 
-def test_a_right_candidate_tallies_clean_in_both_modes() -> None:
+def test_a_right_candidate_is_clean_in_both_modes() -> None:
     for exact in (True, False):
         layer_set = _layer_set()
-        watched = watched_replays(stock.forward, layer_set, CPU, 0.9999, exact)
+        watched = _watched(stock.forward, layer_set, exact)
         steps = _steps(stock.forward, layer_set)
         timing = sample_interleaved(steps, steps, layer_set, CPU, STOP, 1, None, watched)
-        assert timing.watched_problems == [] and timing.tallied == 9
+        assert timing.watched_problems == [] and timing.watched == 9
 
 
-def test_on_ranks_every_rank_copies_the_replay_they_agreed_on() -> None:
-    """The ranks sum their draws (here: a sum of 7), so each copies the same pair's replay:
-    pair 7 % 3 = 1 of every batch, which runs the candidate first."""
+def test_a_result_kept_while_the_inputs_look_unchanged_is_never_served_while_timed() -> None:
+    """The checksum cache: copies the result it kept whenever its inputs' checksum is the last
+    one's. On one fixed input set every timed call after the first would be served from the
+    cache, right and fast; with inputs of its own for every pair, none is."""
     layer_set = _layer_set()
-    log: list[str] = []
-    watched = watched_replays(stock.forward, layer_set, CPU, 0.9999, exact=True)
-    watched.copy = lambda: log.append("copy")  # type: ignore[method-assign]
-    sync = RankSync(layers=lambda n: n, align=lambda: log.append("|"), same_pick=lambda d: 7)
-    stock_step, candidate_step = [lambda: log.append("s")], [lambda: log.append("c")]
-    sample_interleaved(stock_step, candidate_step, layer_set, CPU, STOP, 1, sync, watched)
-    batches = "".join(log).split("|")[1:]
-    assert batches == ["sc" + "c" + "copy" + "s" + "sc"] * 3  # a warm-up batch and two sampled
+    timed = _timed_inputs(layer_set)
+    served: list[bool] = []
+    kept: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}  # by input address
+
+    def caching(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
+        where, checksum = inputs["x"].data_ptr(), float(inputs["x"].float().sum())
+        if where in kept and kept[where][0] == checksum:
+            for name, value in out.items():
+                value.copy_(kept[where][1][name])
+            served.append(where in timed)
+            return
+        stock.forward(weights, inputs, out)
+        kept[where] = (checksum, {n: t.clone() for n, t in out.items()})
+
+    watched = _watched(caching, layer_set, exact=True)
+    steps = _steps(stock.forward, layer_set)
+    timing = sample_interleaved(
+        steps, _steps(caching, layer_set), layer_set, CPU, STOP, 1, None, watched
+    )
+    assert timing.watched_problems == [] and timing.watched == 9
+    assert True not in served  # no timed call met the inputs of the call before it
 
 
-def _near_tie_row_wrong(out: torch.Tensor) -> torch.Tensor:
-    wrong = out.clone()
-    wrong[1] = -wrong[1]
-    return wrong
+@pytest.mark.parametrize("floor_of_sign", [True, False])
+def test_each_pairs_inputs_are_drawn_with_the_timed_inputs_work(floor_of_sign: bool) -> None:
+    """A problem whose work depends on its inputs (as a MoE's active experts do): every pair's
+    draw counts the timed inputs' floor bytes, layer by layer; a problem whose pair inputs can
+    never match says so."""
+
+    class Counted(Problem):
+        def floor_bytes(self, case: Case, weights: dict, inputs: dict) -> int:  # type: ignore[type-arg]
+            if not floor_of_sign:
+                return int(inputs["x"].float().sum() * 1e6)  # never the same twice
+            return 1000 + int(inputs["x"][0, 0] > 0)
+
+    layer_set = _layer_set()
+    problem = Counted({"hidden": 64})
+    path = LoadedPath(problem, stock.forward, stock.forward, lambda case: True)
+    inputs = pair_inputs(path, CASE, layer_set, 5, CPU)
+    if not floor_of_sign:
+        with pytest.raises(RuntimeError, match=f"none of {MAX_INPUT_DRAWS} input sets"):
+            inputs.seeds_for_batch(0, 1)
+        return
+    wanted = [problem.floor_bytes(CASE, w, i) for w, i, _ in layer_set.args]
+    assert inputs.wanted == wanted
+    for pair_seeds in inputs.seeds_for_batch(0, 8):
+        inputs.write(pair_seeds)
+        assert [problem.floor_bytes(CASE, w, i) for w, i, _ in layer_set.args] == wanted
 
 
-@pytest.mark.parametrize(
-    ("change", "keep_row_1"),
-    [
-        (lambda out: out.clone(), True),
-        (lambda out: out * (1 + 2**-7), True),  # close: within the cosine floor's closeness
-        (lambda out: out * 0.5, True),  # cosine 1, size off
-        (lambda out: -out, True),
-        (lambda out: torch.full_like(out, float("nan")), True),
-        (lambda out: out + 0.3 * torch.randn_like(out), True),
-        (lambda out: torch.zeros_like(out), True),
-        (_near_tie_row_wrong, True),  # wrong in a row the check compares
-        (_near_tie_row_wrong, False),  # the same row left out as a near tie
-    ],
-)
-def test_the_device_tally_applies_the_replay_checks_rule(change, keep_row_1: bool) -> None:  # type: ignore[no-untyped-def]
-    """far_from (capturable, no host synchronization) decides as _first_disagreement does
-    where the scope is not deterministic."""
-    expected = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    got = change(expected).to(torch.bfloat16)
-    keep = torch.tensor([True, keep_row_1, True, True])
-    host = _first_disagreement([{"out": got}], [{"out": expected}], 0.9999, [{"out": keep}])
-    device = far_from(got, expected, keep, 0.9999)
-    assert device.dtype == torch.bool and device.dim() == 0
-    assert bool(device) == (host is not None), host
-    assert bool(far_from(torch.zeros(3), torch.zeros(3), None, 0.9999)) is False
+def test_pair_inputs_the_layers_do_not_hold_are_refused() -> None:
+    class Misshapen(Problem):
+        def pair_inputs(self, case: Case, seed: int, device: torch.device) -> dict:  # type: ignore[type-arg]
+            return {"x": torch.zeros(case.batch + 1, 64, dtype=torch.bfloat16)}
+
+    layer_set = _layer_set()
+    path = LoadedPath(Misshapen({"hidden": 64}), stock.forward, stock.forward, lambda c: True)
+    with pytest.raises(TypeError, match=r"Misshapen's pair inputs give 'x' as \(5, 64\)"):
+        pair_inputs(path, CASE, layer_set, 5, CPU)

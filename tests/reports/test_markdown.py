@@ -152,6 +152,17 @@ def test_the_checks_of_the_timed_replays_are_stated_where_recorded() -> None:
     tolerance = {**counted.manifest.get("tolerance", {}), "deterministic": False}
     loose = counted.model_copy(update={"manifest": {**counted.manifest, "tolerance": tolerance}})
     assert "as close to its eager result as the cosine floor demands" in render_markdown(loose)
+    for case in timed:  # since every timed pair runs on inputs of its own: all compared
+        assert case.performance is not None
+        case.performance.tallied_replays = None
+        case.performance.timed_input_sets = case.performance.watched_replays
+    line = (
+        f"All {total} timed replays of the candidate were checked (the same bits as its eager "
+        f"result on the same inputs); each timed pair ran on inputs of its own ({total} sets), "
+        "drawn with the timed inputs' work, so no timed call met inputs seen before."
+    )
+    assert line in render_markdown(counted)
+    assert " ".join(line.split()) in " ".join(render_report_page(counted).split())
 
 
 def test_environment_coverage_and_kernels() -> None:

@@ -447,7 +447,8 @@ def measure_case(
     candidate_steps = step_runners(path.candidate, layer_set, device, stop.captures)
     seed = derive_seed(secret_seed, case.id, "bootstrap")
     refresh_inputs(path, case, layer_set, derive_seed(seed, "before timing"), device)
-    bytes_moved = _bytes_moved(path, case, layer_set, secret_seed, device)  # the timed inputs
+    pairs = pair_inputs(path, case, layer_set, derive_seed(seed, "pairs"), device)
+    bytes_moved = _bytes_moved(path, case, layer_set, secret_seed, device)  # the timed work
     tolerance = manifest.tolerance
     watched = watched_replays(
         path.candidate,
@@ -455,7 +456,7 @@ def measure_case(
         device,
         tolerance.min_cosine,
         tolerance.deterministic,
-        pair_inputs(path, case, layer_set, derive_seed(seed, "pairs"), device),
+        pairs,
         path.problem,
     )
     timing = sample_interleaved(

@@ -183,13 +183,26 @@ ATTACKS = (
         "times the stock's speed). On a GPU the same needs a kernel that exits early",
     ),
     Attack(
+        "caches_by_checksum",
+        "copies the result it kept while a cheap checksum of its inputs is unchanged, computes "
+        "slowly otherwise",
+        ("PASS",),
+        (),
+        devices=("cpu",),
+        max_speedup=1.0,
+        note="honest arithmetic when it computes: caught means no timed call met the inputs it "
+        "had kept a result for (every timed pair runs on inputs of its own), so its speedup "
+        "stays near a third of the stock's; on one timed input set it was timed copying. On a "
+        "GPU the same needs a kernel that exits early",
+    ),
+    Attack(
         "skips_now_and_then",
         "skips its work now and then while timed (one replay in ten captured, one call in four "
         "eager), leaving its outputs as they were",
         ("FAIL",),
         ("timed replays of the candidate",),
         note="one compared replay per batch missed it most of the time; every timed replay is "
-        "now tallied",
+        "now checked",
     ),
     Attack(
         "subclasses_outputs",

@@ -43,8 +43,9 @@ def test_example_scope_on_gpu_is_correct_and_timed_as_graphs() -> None:
         assert perf.candidate_kernels_per_layer == 1.0
         assert perf.stock_kernels_per_layer is not None and perf.stock_kernels_per_layer > 1
         assert perf.speedup_ci95[0] <= perf.speedup <= perf.speedup_ci95[1]
-        # every timed candidate replay tallied on the device, one per batch compared in full
-        assert perf.watched_replays and perf.tallied_replays == 10 * perf.watched_replays
+        # every timed candidate replay compared, each pair on inputs of its own
+        assert perf.watched_replays and perf.timed_input_sets == perf.watched_replays
+        assert perf.watched_replays % 10 == 0 and perf.tallied_replays is None
         assert perf.candidate_hbm_fraction is not None and 0 < perf.candidate_hbm_fraction < 1.2
         # summed kernel time never exceeds the event time of the same replay by much
         assert perf.candidate_kernel_us_per_layer is not None

@@ -1,7 +1,7 @@
 """measure_case's cross-checks see the timed work: the profile and the eager times (and on a
-GPU the wall clock, between them) run on the inputs the events timed, and only then do fresh
-inputs test for stale outputs. (A MoE's time depends on its routing: on other inputs a profile
-measures other work.)"""
+GPU the wall clock, between them) run on the inputs of the last timed pair (every pair's draw
+does the timed inputs' work: timing.PairInputs), and only then do fresh inputs test for stale
+outputs. (A MoE's time depends on its routing: on other inputs a profile measures other work.)"""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ def test_profile_and_eager_times_run_on_the_timed_inputs(monkeypatch: pytest.Mon
 
         def wrapped(*args: object, **kwargs: object) -> object:
             seen.setdefault(name, []).append(_inputs_digest(layer_sets[-1]))
-            return real(*args, **kwargs)
+            result = real(*args, **kwargs)
+            seen.setdefault(f"after {name}", []).append(_inputs_digest(layer_sets[-1]))
+            return result
 
         return wrapped
 
@@ -52,7 +54,9 @@ def test_profile_and_eager_times_run_on_the_timed_inputs(monkeypatch: pytest.Mon
     )
 
     assert stale == [] and performance.candidate_us_median > 0
-    (timed,) = seen["sample_interleaved"]
+    (built,) = seen["sample_interleaved"]
+    (timed,) = seen["after sample_interleaved"]  # the last pair's
+    assert timed != built  # the pairs ran on inputs of their own
     assert seen["profile_step"] == [timed, timed]  # stock, then candidate
     assert seen["eager_us"] == [timed, timed]
     (checked,) = seen["replay_mismatches"]

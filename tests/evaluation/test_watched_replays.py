@@ -331,31 +331,40 @@ def test_a_result_kept_while_the_inputs_look_unchanged_is_never_served_while_tim
     assert True not in served  # no timed call met the inputs of the call before it
 
 
-@pytest.mark.parametrize("floor_of_sign", [True, False])
-def test_each_pairs_inputs_are_drawn_with_the_timed_inputs_work(floor_of_sign: bool) -> None:
-    """A problem whose work depends on its inputs (as a MoE's active experts do): every pair's
-    draw counts the timed inputs' floor bytes, layer by layer; a problem whose pair inputs can
-    never match says so."""
+class _Counted(Problem):
+    """Work that depends on the inputs, as a MoE's active experts do: rarely more."""
 
-    class Counted(Problem):
-        def floor_bytes(self, case: Case, weights: dict, inputs: dict) -> int:  # type: ignore[type-arg]
-            if not floor_of_sign:
-                return int(inputs["x"].float().sum() * 1e6)  # never the same twice
-            return 1000 + int(inputs["x"][0, 0] > 0)
+    def floor_bytes(self, case: Case, weights: dict, inputs: dict) -> int:  # type: ignore[type-arg]
+        return 1000 + 500 * int(inputs["x"][0, 0].abs() > 4 * inputs["x"][1:].float().std())
 
+
+def test_each_pairs_inputs_are_drawn_with_the_timed_work_its_most_common() -> None:
+    """Timed inputs whose work is rare (here set by hand) are replaced by a draw of the most
+    common work, and every pair's draw needs the same bytes, layer by layer."""
     layer_set = _layer_set()
-    problem = Counted({"hidden": 64})
+    problem = _Counted({"hidden": 64})
+    for _, inputs, _ in layer_set.args:
+        inputs["x"][0, 0] = 1e4  # the rare work
+    assert {problem.floor_bytes(CASE, w, i) for w, i, _ in layer_set.args} == {1500}
     path = LoadedPath(problem, stock.forward, stock.forward, lambda case: True)
     inputs = pair_inputs(path, CASE, layer_set, 5, CPU)
-    if not floor_of_sign:
-        with pytest.raises(RuntimeError, match=f"none of {MAX_INPUT_DRAWS} input sets"):
-            inputs.seeds_for_batch(0, 1)
-        return
-    wanted = [problem.floor_bytes(CASE, w, i) for w, i, _ in layer_set.args]
-    assert inputs.wanted == wanted
+    assert inputs.wanted == [1000, 1000]
+    assert [problem.floor_bytes(CASE, w, i) for w, i, _ in layer_set.args] == [1000, 1000]
     for pair_seeds in inputs.seeds_for_batch(0, 8):
         inputs.write(pair_seeds)
-        assert [problem.floor_bytes(CASE, w, i) for w, i, _ in layer_set.args] == wanted
+        assert [problem.floor_bytes(CASE, w, i) for w, i, _ in layer_set.args] == [1000, 1000]
+
+
+def test_a_problem_whose_pair_inputs_never_do_the_timed_work_says_so() -> None:
+    class NeverTheSame(Problem):
+        def floor_bytes(self, case: Case, weights: dict, inputs: dict) -> int:  # type: ignore[type-arg]
+            return int(inputs["x"].float().sum() * 1e6)
+
+    layer_set = _layer_set()
+    path = LoadedPath(NeverTheSame({"hidden": 64}), stock.forward, stock.forward, lambda c: True)
+    inputs = pair_inputs(path, CASE, layer_set, 5, CPU)
+    with pytest.raises(RuntimeError, match=f"none of {MAX_INPUT_DRAWS} input sets"):
+        inputs.seeds_for_batch(0, 1)
 
 
 def test_pair_inputs_the_layers_do_not_hold_are_refused() -> None:

@@ -159,7 +159,7 @@ def test_the_checks_of_the_timed_replays_are_stated_where_recorded() -> None:
     line = (
         f"All {total} timed replays of the candidate were checked (the same bits as its eager "
         f"result on the same inputs); each timed pair ran on inputs of its own ({total} sets), "
-        "drawn with the timed inputs' work, so no timed call met inputs seen before."
+        "each doing the timed work, so no timed call met inputs seen before."
     )
     assert line in render_markdown(counted)
     assert " ".join(line.split()) in " ".join(render_report_page(counted).split())

@@ -4,14 +4,13 @@ early-exiting kernel). Its eager calls on new inputs are all right.
 
 Captured in a CUDA graph, the skip keys on a counter held on the device, which every replay
 increments: each tenth replay keeps the outputs it found. Eager (the CPU path's timed calls,
-two pairs a batch), it keys on how often it has seen the same input tensors unchanged: each
-fourth such call. One compared replay per batch missed it most of the time (a quick GPU case
-compares six, of ten replays each); the tally of every timed replay finds the skipped one
-still poisoned."""
+two pairs a batch), it keys on how often it has written the same output tensors: each fourth
+such call (the timed layers keep theirs; the checks bring new ones). Keyed on its inputs being
+unchanged, as it first was, it never skipped once every timed pair brought inputs of its own.
+One compared replay per batch missed it most of the time (a quick GPU case compares six, of
+ten replays each); the check of every timed replay finds the skipped one still poisoned."""
 
 from __future__ import annotations
-
-from collections import Counter
 
 import torch
 
@@ -19,8 +18,8 @@ from tests.adversarial.submissions.common import stock
 
 Tensors = dict[str, torch.Tensor]
 EVERY = 10  # captured: one replay in EVERY
-EVERY_EAGER = 4  # eager: one call in EVERY_EAGER on the same unchanged inputs
-seen: Counter[tuple[tuple[int, int], ...]] = Counter()  # calls per unchanged input set
+EVERY_EAGER = 4  # eager: one call in EVERY_EAGER into the same output tensors
+CALLS = "_calls_of_skips_now_and_then"
 # Per layer (keyed by its first output's address), made by the eager calls that warm a capture
 # up: one counter for all layers would reach a multiple of EVERY in most replays.
 counters: dict[int, torch.Tensor] = {}
@@ -35,9 +34,9 @@ def forward(weights: Tensors, inputs: Tensors, out: Tensors) -> None:
         counters.setdefault(
             first.data_ptr(), torch.zeros((), dtype=torch.int64, device=first.device)
         )
-    key = tuple((id(tensor), tensor._version) for tensor in inputs.values())
-    seen[key] += 1
-    if seen[key] % EVERY_EAGER == 0:
+    calls = getattr(first, CALLS, 0) + 1  # on the tensor object: it dies with it
+    setattr(first, CALLS, calls)
+    if calls % EVERY_EAGER == 0:
         return
     stock(weights, inputs, out)
 

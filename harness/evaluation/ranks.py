@@ -254,7 +254,11 @@ def _rank_main(rank: int, world_size: int, task: RankTask) -> RankResult:
         # alone would wait forever in a collective its failed peers never join)
         return RankResult(checked)
     shared = _pre_shared_path(path, case, cp_rank, group)
-    sync = RankSync(lambda layers: _most_of_all_ranks(layers, device), lambda: _align(device))
+    sync = RankSync(
+        lambda layers: _most_of_all_ranks(layers, device),
+        lambda: _align(device),
+        lambda draw: _sum_of_all_ranks(draw, device),
+    )
     performance, stale, timing = measure_case(
         shared, case, seed, task.stop, task.max_layers, device, manifest, sync
     )
@@ -301,6 +305,13 @@ def _most_of_all_ranks(value: int, device: torch.device) -> int:
     most = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     return int(most.item())
+
+
+def _sum_of_all_ranks(value: int, device: torch.device) -> int:
+    """Uniform modulo n on every rank when any one rank's value is (a rank's own draw)."""
+    total = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total.item())
 
 
 def _all_ranks(passed: bool, device: torch.device) -> bool:

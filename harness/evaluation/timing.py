@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -190,34 +191,57 @@ class WatchedReplays:
     events; once the batch has synchronized, each pair's inputs are written again and the
     candidate's eager call on them (made after the timed one: made before, it would let a
     cache fill) is the yardstick for that copy, by the rule of the replay check
-    (_first_disagreement). `check`: what is demanded, in words."""
+    (_first_disagreement). An eager call made after could still be served what the timed one
+    kept (its inputs and a cheap result stashed on the device, looked up by content), so one
+    pair per batch, picked where the candidate cannot see (`picked`), is also held to the stock
+    path's timed result on the same inputs: the cosine floor and size outside the near-tie
+    rows. `check`: what is demanded, in words."""
 
     poison: Callable[[], None]
     inputs: PairInputs
     # On the inputs the layers hold now: the candidate's eager call, and from it the judge of
     # a copied replay's outputs (why they are wrong; None when they are right).
     yardstick: Callable[[], Callable[[list[Tensors]], str | None]]
+    # On the inputs the layers hold now: the judge of (candidate copy, stock copy).
+    against_stock: Callable[[], Callable[[list[Tensors], list[Tensors]], str | None]]
     outputs: list[Tensors]
     check: str
     copied: dict[int, list[Tensors]] = field(default_factory=dict)
+    picked: int = 0  # the pair whose stock result is copied too
+    stock_copied: list[Tensors] | None = None
 
     def copy(self, pair: int) -> None:
-        require_plain_tensors(*self.outputs, when="before a timed replay's outputs were copied")
-        self.copied[pair] = [{n: t.clone() for n, t in outputs.items()} for outputs in self.outputs]
+        self.copied[pair] = self._outputs_now()
 
-    def disagreements(self, seeds: list[list[int]]) -> list[str]:
-        """Why each of the batch's copied replays is wrong, in pair order (empty: all right).
-        Every pair's eager call runs before any is judged: on N ranks they are collectives."""
+    def copy_stock(self, pair: int) -> None:
+        if pair == self.picked:
+            self.stock_copied = self._outputs_now()
+
+    def _outputs_now(self) -> list[Tensors]:
+        require_plain_tensors(*self.outputs, when="before a timed replay's outputs were copied")
+        return [{n: t.clone() for n, t in outputs.items()} for outputs in self.outputs]
+
+    def disagreements(self, seeds: list[list[int]]) -> tuple[list[str], str | None]:
+        """Why each of the batch's copied replays is wrong, in pair order (empty: all right),
+        and why the picked one disagrees with the stock path (None: it agrees). Every pair's
+        eager call runs before any is judged: on N ranks they are collectives."""
         copied, self.copied = self.copied, {}
+        stock, self.stock_copied = self.stock_copied, None
         judges = []
-        for pair_seeds in seeds:
+        for pair, pair_seeds in enumerate(seeds):
             self.inputs.write(pair_seeds)
             judges.append(self.yardstick())
+            if pair == self.picked:
+                stock_judge = self.against_stock()
         problems = [
             judge(copied[pair]) if pair in copied else "was never copied"
             for pair, judge in enumerate(judges)
         ]
-        return [problem for problem in problems if problem]
+        if stock is None or self.picked not in copied:
+            against_stock: str | None = "was never copied"
+        else:
+            against_stock = stock_judge(copied[self.picked], stock)
+        return [problem for problem in problems if problem], against_stock
 
 
 def layers_for(bytes_per_layer: int, device: torch.device, max_layers: int) -> int:
@@ -242,10 +266,14 @@ class RankSync:
         collectives would pair the wrong ones and hang.
     align: returns on every rank at about the same moment. Called before each measured block:
         a rank that starts early would otherwise count its wait for the late one in the first
-        collective as its own time."""
+        collective as its own time.
+    same_pick: from this rank's random draw, the one number every rank gets (the sum of all
+        ranks' draws): every rank checks the same pair against the stock path, whose near-tie
+        rows are found by collectives under decode CP."""
 
     layers: Callable[[int], int]
     align: Callable[[], None]
+    same_pick: Callable[[int], int] = field(default=lambda draw: draw)
 
 
 def build_layers(
@@ -329,12 +357,16 @@ def sample_interleaved(
     method = "cuda-graph" if device.type == "cuda" else "cpu-host-clock"
     timing = Timing(method, len(layer_set.args), layer_set.working_set_bytes)
     started = time.perf_counter()
+    pick = random.SystemRandom()  # os.urandom: no seed the candidate could know or set
     batch = 0
     while True:
         capture = batch % len(stock)
         if watched:
             seeds = watched.inputs.seeds_for_batch(batch, stop.pairs_per_batch)
+            watched.picked = pick.randrange(stop.pairs_per_batch)
         if sync is not None:
+            if watched:
+                watched.picked = sync.same_pick(watched.picked) % stop.pairs_per_batch
             sync.align()
         if watched:
             new_pairs = timed_pairs(
@@ -345,6 +377,7 @@ def sample_interleaved(
                 watched.poison,
                 functools.partial(_write_pair, watched.inputs, seeds),
                 watched.copy,
+                watched.copy_stock,
             )
             _judge_watched(timing, watched, seeds, batch, capture)
         else:
@@ -385,16 +418,22 @@ def _judge_watched(
     replays = len(seeds)
     timing.watched += replays
     timing.input_sets += replays
-    wrong = watched.disagreements(seeds)
-    if not wrong:
+    wrong, against_stock = watched.disagreements(seeds)
+    if not wrong and not against_stock:
         return
     if timing.watched_problems:  # the first one tells the story
         timing.watched_problems.append(f"batch {batch}")
         return
+    where = f"(batch {batch}, capture {capture})"
+    if wrong:
+        problem = (
+            f"{len(wrong)} of the {replays} timed replays of the candidate {where}, each on "
+            f"inputs of its own, {watched.check}; the first {wrong[0]}"
+        )
+    else:  # right by its own eager calls, which may have been told what to answer
+        problem = f"a timed replay of the candidate {where} {against_stock}"
     timing.watched_problems.append(
-        f"{len(wrong)} of the {replays} timed replays of the candidate (batch {batch}, capture "
-        f"{capture}), each on inputs of its own, {watched.check}; the first {wrong[0]}: work "
-        "done only when it is checked, or outputs cached"
+        f"{problem}: work done only when it is checked, or outputs cached"
     )
 
 
@@ -458,6 +497,12 @@ def watched_replays(
             keeps = pooled_comparable_rows(problem, [(w, i) for w, i, _ in layer_set.args])
         return lambda copied: _first_disagreement(copied, expected, min_cosine, keeps, exact)
 
+    def against_stock() -> Callable[[list[Tensors], list[Tensors]], str | None]:
+        keeps = _rows_off_near_ties(problem, layer_set)
+        return lambda copied, stock: _first_disagreement(
+            copied, stock, min_cosine, keeps, yardstick="the stock path's timed result"
+        )
+
     check = (
         "gave other bits than its own eager result on the same inputs (the scope says the "
         "path is deterministic)"
@@ -466,7 +511,20 @@ def watched_replays(
         f"as a cosine of {min_cosine} and the same size demand"
     )
     outputs = [outputs for _, _, outputs in layer_set.args]
-    return WatchedReplays(poison, inputs, yardstick, outputs, check)
+    return WatchedReplays(poison, inputs, yardstick, against_stock, outputs, check)
+
+
+def _rows_off_near_ties(problem: object, layer_set: LayerSet) -> list[dict[str, torch.Tensor]]:
+    """Per layer, the rows the problem does not call near-tie decisions on the inputs held
+    now, uncapped: two correct paths may route such a token differently, and with no redraw
+    here a capped rule would compare a batch-1 near tie in full."""
+    hook = getattr(problem, "ambiguous_rows", None)
+    if hook is None:
+        return [{} for _ in layer_set.args]
+    return [
+        {name: ~mask for name, mask in hook(weights, inputs).items()}
+        for weights, inputs, _ in layer_set.args
+    ]
 
 
 def step_runners(
@@ -507,23 +565,27 @@ def timed_pairs(
     between: Callable[[], None] | None = None,
     before_pair: Callable[[int], None] | None = None,
     after_b: Callable[[int], None] | None = None,
+    after_a: Callable[[int], None] | None = None,
 ) -> list[tuple[float, float]]:
     """`count` (a_us, b_us) pairs, run strictly alternating; odd pairs run b first.
 
     Outside the timed intervals: `between` runs before every call (the engine poisons the
     outputs there), `before_pair(i)` before pair i's first call (the engine writes the pair's
-    inputs there) and `after_b(i)` after pair i's b call (the engine copies its outputs there)."""
+    inputs there), `after_b(i)` and `after_a(i)` after pair i's b and a calls (the engine
+    copies their outputs there)."""
     calls = []
     for i in range(count):
         calls += [a, b] if i % 2 == 0 else [b, a]
     before: dict[int, list[Callable[[], None]]] = {}
     after: dict[int, list[Callable[[], None]]] = {}
     for i in range(count):
-        b_index = 2 * i + (1 if i % 2 == 0 else 0)
+        a_index, b_index = (2 * i, 2 * i + 1) if i % 2 == 0 else (2 * i + 1, 2 * i)
         if before_pair is not None:
             before[2 * i] = [functools.partial(before_pair, i)]
         if after_b is not None:
             after[b_index] = [functools.partial(after_b, i)]
+        if after_a is not None:
+            after[a_index] = [functools.partial(after_a, i)]
     clock = _cuda_intervals if device.type == "cuda" else _host_intervals
     times = clock(calls, between or _nothing, before, after)
     pairs = []
@@ -699,6 +761,7 @@ def _first_disagreement(
     min_cosine: float,
     keeps: list[dict[str, torch.Tensor]],
     exact: bool = False,
+    yardstick: str = "its own eager result",
 ) -> str | None:
     """`exact`: the same bits (a deterministic path replays the kernels it ran eagerly, so a
     capture that computes something cheaper but close, weights requantized while it was
@@ -711,8 +774,8 @@ def _first_disagreement(
                 differ = int((value != theirs[name]).sum())
                 if differ:
                     return (
-                        f"gave layer {layer}'s '{name}' other bits than its own eager result on "
-                        f"the same inputs in {differ} of {value.numel()} elements (the scope "
+                        f"gave layer {layer}'s '{name}' other bits than {yardstick} on the "
+                        f"same inputs in {differ} of {value.numel()} elements (the scope "
                         "says the path is deterministic)"
                     )
                 continue
@@ -724,15 +787,15 @@ def _first_disagreement(
             cosine = cosine_similarity(value, reference.to(REFERENCE_DTYPE))
             if not cosine >= min_cosine:
                 return (
-                    f"gave layer {layer}'s '{name}' a cosine of {cosine:.4f} to its own eager "
-                    f"result on the same inputs (at least {min_cosine} needed)"
+                    f"gave layer {layer}'s '{name}' a cosine of {cosine:.4f} to {yardstick} on "
+                    f"the same inputs (at least {min_cosine} needed)"
                 )
             allowed = size_tolerance(min_cosine)
             error = relative_error(value, reference.to(REFERENCE_DTYPE))
             if not error <= allowed:
                 return (
-                    f"gave layer {layer}'s '{name}' a relative error of {error:.3g} to its own "
-                    f"eager result on the same inputs (at most {allowed:.3g}, as the cosine floor)"
+                    f"gave layer {layer}'s '{name}' a relative error of {error:.3g} to "
+                    f"{yardstick} on the same inputs (at most {allowed:.3g}, as the cosine floor)"
                 )
     return None
 

@@ -17,6 +17,7 @@ from harness.evaluation.loading import LoadedPath, load_path
 from harness.evaluation.timing import (
     MAX_INPUT_DRAWS,
     LayerSet,
+    RankSync,
     StopRule,
     one_launch,
     output_poisoner,
@@ -376,3 +377,98 @@ def test_pair_inputs_the_layers_do_not_hold_are_refused() -> None:
     path = LoadedPath(Misshapen({"hidden": 64}), stock.forward, stock.forward, lambda c: True)
     with pytest.raises(TypeError, match=r"Misshapen's pair inputs give 'x' as \(5, 64\)"):
         pair_inputs(path, CASE, layer_set, 5, CPU)
+
+
+def _stashing(scale: float, layer_set: LayerSet):  # type: ignore[no-untyped-def]
+    """Scaled (cheap, wrong) in its timed calls, which stash their inputs and result; its eager
+    calls answer from the stash when their inputs' content is there, so the yardstick made
+    after the timed call agrees with it."""
+    timed = _timed_inputs(layer_set)
+    stash: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+
+    def forward(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
+        if inputs["x"].data_ptr() not in timed:
+            for x, result in stash:
+                if torch.equal(x, inputs["x"]):
+                    for name, value in out.items():
+                        value.copy_(result[name])
+                    return
+        stock.forward(weights, inputs, out)
+        if inputs["x"].data_ptr() in timed:
+            out["out"].mul_(scale)
+            stash.append((inputs["x"].clone(), {n: t.clone() for n, t in out.items()}))
+
+    return forward
+
+
+def test_a_timed_replay_its_eager_calls_were_told_to_agree_with_is_held_to_the_stock() -> None:
+    layer_set = _layer_set()
+    candidate = _stashing(-1.0, layer_set)
+    watched = _watched(candidate, layer_set, exact=True)
+    timing = sample_interleaved(
+        _steps(stock.forward, layer_set),
+        _steps(candidate, layer_set),
+        layer_set,
+        CPU,
+        STOP,
+        1,
+        None,
+        watched,
+    )
+    first, *rest = timing.watched_problems
+    assert first.startswith("a timed replay of the candidate (batch 0, capture 0) gave layer 0's")
+    assert "to the stock path's timed result on the same inputs" in first, first
+    assert rest == ["batch 1", "batch 2"]
+
+
+def test_on_ranks_every_rank_checks_the_pair_they_agreed_on_against_the_stock() -> None:
+    """The ranks sum their draws (here: a sum of 7), so each copies the same pair's stock
+    result: pair 7 % 3 = 1 of every batch, which runs the candidate first."""
+    layer_set = _layer_set()
+    log: list[str] = []
+    watched = _watched(stock.forward, layer_set, exact=True)
+    copy_stock = watched.copy_stock
+    watched.copy_stock = lambda pair: (log.append(f"s{pair}"), copy_stock(pair))  # type: ignore[method-assign,func-returns-value]
+    sync = RankSync(layers=lambda n: n, align=lambda: None, same_pick=lambda d: 7)
+    timing = sample_interleaved(
+        *(_steps(stock.forward, layer_set) for _ in range(2)),
+        layer_set,
+        CPU,
+        STOP,
+        1,
+        sync,
+        watched,
+    )
+    assert timing.watched_problems == [] and watched.picked == 1
+    assert log == ["s0", "s1", "s2"] * 3  # every pair's stock call is offered; pair 1 is kept
+
+
+class _NearTieInRow1(Problem):
+    def ambiguous_rows(self, weights: dict, inputs: dict) -> dict:  # type: ignore[type-arg]
+        return {"out": torch.tensor([False, True, False, False])}
+
+
+@pytest.mark.parametrize(("row", "caught"), [(0, True), (1, False)])
+def test_near_tie_rows_are_left_out_of_the_check_against_the_stock(row: int, caught: bool) -> None:
+    layer_set = _layer_set()
+    timed = _timed_inputs(layer_set)
+
+    def differs_in_one_row(weights, inputs, out) -> None:  # type: ignore[no-untyped-def]
+        stock.forward(weights, inputs, out)
+        if inputs["x"].data_ptr() in timed:  # its eager calls agree: only the stock can tell
+            out["out"][row].neg_()
+
+    problem = _NearTieInRow1({"hidden": 64})
+    watched = _watched(differs_in_one_row, layer_set, exact=False, problem=problem)
+    watched.yardstick = lambda: lambda copied: None  # type: ignore[method-assign] (as if told)
+    timing = sample_interleaved(
+        _steps(stock.forward, layer_set),
+        _steps(differs_in_one_row, layer_set),
+        layer_set,
+        CPU,
+        STOP,
+        1,
+        None,
+        watched,
+    )
+    assert bool(timing.watched_problems) == caught, timing.watched_problems

@@ -170,11 +170,7 @@ def _problems_of_timing(scale: float, exact: bool) -> list[str]:
     layer_set = _layer_set()
     candidate = _wrong_while_timed(scale, layer_set)
     watched = _watched(candidate, layer_set, exact)
-    stock_steps, candidate_steps = _steps(stock.forward, layer_set), _steps(candidate, layer_set)
-    timing = sample_interleaved(
-        stock_steps, candidate_steps, layer_set, CPU, STOP, 1, None, watched
-    )
-    return timing.watched_problems
+    return _timed_beside_the_stock(candidate, layer_set, watched).watched_problems
 
 
 @pytest.mark.parametrize(
@@ -401,20 +397,16 @@ def _stashing(scale: float, layer_set: LayerSet):  # type: ignore[no-untyped-def
     return forward
 
 
+def _timed_beside_the_stock(candidate, layer_set, watched, sync=None):  # type: ignore[no-untyped-def]
+    stock_steps, candidate_steps = _steps(stock.forward, layer_set), _steps(candidate, layer_set)
+    return sample_interleaved(stock_steps, candidate_steps, layer_set, CPU, STOP, 1, sync, watched)
+
+
 def test_a_timed_replay_its_eager_calls_were_told_to_agree_with_is_held_to_the_stock() -> None:
     layer_set = _layer_set()
     candidate = _stashing(-1.0, layer_set)
     watched = _watched(candidate, layer_set, exact=True)
-    timing = sample_interleaved(
-        _steps(stock.forward, layer_set),
-        _steps(candidate, layer_set),
-        layer_set,
-        CPU,
-        STOP,
-        1,
-        None,
-        watched,
-    )
+    timing = _timed_beside_the_stock(candidate, layer_set, watched)
     first, *rest = timing.watched_problems
     assert first.startswith("a timed replay of the candidate (batch 0, capture 0) gave layer 0's")
     assert "to the stock path's timed result on the same inputs" in first, first
@@ -430,15 +422,7 @@ def test_on_ranks_every_rank_checks_the_pair_they_agreed_on_against_the_stock() 
     copy_stock = watched.copy_stock
     watched.copy_stock = lambda pair: (log.append(f"s{pair}"), copy_stock(pair))  # type: ignore[method-assign,func-returns-value]
     sync = RankSync(layers=lambda n: n, align=lambda: None, same_pick=lambda d: 7)
-    timing = sample_interleaved(
-        *(_steps(stock.forward, layer_set) for _ in range(2)),
-        layer_set,
-        CPU,
-        STOP,
-        1,
-        sync,
-        watched,
-    )
+    timing = _timed_beside_the_stock(stock.forward, layer_set, watched, sync)
     assert timing.watched_problems == [] and watched.picked == 1
     assert log == ["s0", "s1", "s2"] * 3  # every pair's stock call is offered; pair 1 is kept
 
@@ -461,14 +445,5 @@ def test_near_tie_rows_are_left_out_of_the_check_against_the_stock(row: int, cau
     problem = _NearTieInRow1({"hidden": 64})
     watched = _watched(differs_in_one_row, layer_set, exact=False, problem=problem)
     watched.yardstick = lambda: lambda copied: None  # type: ignore[method-assign] (as if told)
-    timing = sample_interleaved(
-        _steps(stock.forward, layer_set),
-        _steps(differs_in_one_row, layer_set),
-        layer_set,
-        CPU,
-        STOP,
-        1,
-        None,
-        watched,
-    )
+    timing = _timed_beside_the_stock(differs_in_one_row, layer_set, watched)
     assert bool(timing.watched_problems) == caught, timing.watched_problems

@@ -3,6 +3,7 @@ warnings, coverage, environment, the reproduce command, and under GitHub's limit
 
 from __future__ import annotations
 
+from harness.evaluation.evidence import Evidence
 from harness.reports.facts import SourceInfo
 from harness.reports.html import render_report_page
 from harness.reports.markdown import GITHUB_LIMIT_CHARS, MAX_CASE_ROWS, render_markdown
@@ -125,6 +126,12 @@ def test_correctness_summary_names_the_failing_case_and_worst_ratio() -> None:
     assert "non-deterministic declared." in render_markdown(loose)
 
 
+def _assert_stated(line: str, evidence: Evidence) -> None:
+    """In the Markdown report and on the report page."""
+    assert line in render_markdown(evidence)
+    assert " ".join(line.split()) in " ".join(render_report_page(evidence).split())
+
+
 def test_the_checks_of_the_timed_replays_are_stated_where_recorded() -> None:
     evidence = load("h200_claims")
     assert "timed replays of the candidate" not in render_markdown(evidence)  # before the check
@@ -137,8 +144,7 @@ def test_the_checks_of_the_timed_replays_are_stated_where_recorded() -> None:
     line = (
         f"{total} timed replays of the candidate were compared with its eager result as they ran."
     )
-    assert line in render_markdown(counted)
-    assert " ".join(line.split()) in " ".join(render_report_page(counted).split())
+    _assert_stated(line, counted)
     for case in timed:
         assert case.performance is not None
         case.performance.tallied_replays = 10 * case.performance.watched_replays  # type: ignore[operator]
@@ -147,8 +153,7 @@ def test_the_checks_of_the_timed_replays_are_stated_where_recorded() -> None:
         f"bits as its eager result); {total} of them, one per batch, were compared in full "
         "with its eager result."
     )
-    assert line in render_markdown(counted)
-    assert " ".join(line.split()) in " ".join(render_report_page(counted).split())
+    _assert_stated(line, counted)
     tolerance = {**counted.manifest.get("tolerance", {}), "deterministic": False}
     loose = counted.model_copy(update={"manifest": {**counted.manifest, "tolerance": tolerance}})
     assert "as close to its eager result as the cosine floor demands" in render_markdown(loose)
@@ -161,8 +166,7 @@ def test_the_checks_of_the_timed_replays_are_stated_where_recorded() -> None:
         f"result on the same inputs); each timed pair ran on inputs of its own ({total} sets), "
         "each doing the timed work, so no timed call met inputs seen before."
     )
-    assert line in render_markdown(counted)
-    assert " ".join(line.split()) in " ".join(render_report_page(counted).split())
+    _assert_stated(line, counted)
 
 
 def test_environment_coverage_and_kernels() -> None:

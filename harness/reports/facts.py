@@ -187,7 +187,7 @@ def replay_checks(evidence: Evidence) -> str | None:
         return (
             f"All {sum(compared)} timed replays of the candidate were checked ({what} on the "
             f"same inputs); each timed pair ran on inputs of its own ({sum(input_sets)} sets), "
-            "each doing the timed work, so no timed call met inputs seen before."
+            "each drawn afresh, so no timed call met inputs seen before."
         )
     return (  # evidence of 2026-12-07, before the timed pairs' own inputs
         f"All {sum(tallied)} timed replays of the candidate were checked as they ran ({what}); "

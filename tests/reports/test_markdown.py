@@ -164,7 +164,7 @@ def test_the_checks_of_the_timed_replays_are_stated_where_recorded() -> None:
     line = (
         f"All {total} timed replays of the candidate were checked (the same bits as its eager "
         f"result on the same inputs); each timed pair ran on inputs of its own ({total} sets), "
-        "each doing the timed work, so no timed call met inputs seen before."
+        "each drawn afresh, so no timed call met inputs seen before."
     )
     _assert_stated(line, counted)
 

@@ -215,11 +215,13 @@ def comparable_rows(
 
 
 def pooled_comparable_rows(
-    problem: object, pairs: list[tuple[Tensors, Tensors]]
+    problem: object,
+    pairs: list[tuple[Tensors, Tensors]],
+    max_fraction: float = MAX_AMBIGUOUS_FRACTION,
 ) -> list[dict[str, torch.Tensor]]:
     """comparable_rows for several layers' (weights, inputs), the cap applied to their rows
     together: at batch 8 one near-tie token is 12% of a layer's output but a few percent of
-    a timed step's layers. Over the cap, every row of that output is compared."""
+    a timed step's layers. Over the cap, every row of that output is compared (1.0: no cap)."""
     hook = getattr(problem, "ambiguous_rows", None)
     if hook is None:
         return [{} for _ in pairs]
@@ -229,7 +231,7 @@ def pooled_comparable_rows(
         masks = [layer.get(name) for layer in declared]
         left_out = sum(int(m.sum()) for m in masks if m is not None)
         rows = sum(m.numel() for m in masks if m is not None)
-        if left_out > MAX_AMBIGUOUS_FRACTION * rows:
+        if left_out > max_fraction * rows:
             continue
         for keep, mask in zip(keeps, masks, strict=True):
             if mask is not None:

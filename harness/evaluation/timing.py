@@ -498,7 +498,10 @@ def watched_replays(
         return lambda copied: _first_disagreement(copied, expected, min_cosine, keeps, exact)
 
     def against_stock() -> Callable[[list[Tensors], list[Tensors]], str | None]:
-        keeps = _rows_off_near_ties(problem, layer_set)
+        # uncapped: two correct paths may route a near-tie token differently, and with no
+        # redraw here a capped rule would compare a batch-1 near tie in full
+        pairs = [(w, i) for w, i, _ in layer_set.args]
+        keeps = pooled_comparable_rows(problem, pairs, max_fraction=1.0)
         return lambda copied, stock: _first_disagreement(
             copied, stock, min_cosine, keeps, yardstick="the stock path's timed result"
         )
@@ -512,19 +515,6 @@ def watched_replays(
     )
     outputs = [outputs for _, _, outputs in layer_set.args]
     return WatchedReplays(poison, inputs, yardstick, against_stock, outputs, check)
-
-
-def _rows_off_near_ties(problem: object, layer_set: LayerSet) -> list[dict[str, torch.Tensor]]:
-    """Per layer, the rows the problem does not call near-tie decisions on the inputs held
-    now, uncapped: two correct paths may route such a token differently, and with no redraw
-    here a capped rule would compare a batch-1 near tie in full."""
-    hook = getattr(problem, "ambiguous_rows", None)
-    if hook is None:
-        return [{} for _ in layer_set.args]
-    return [
-        {name: ~mask for name, mask in hook(weights, inputs).items()}
-        for weights, inputs, _ in layer_set.args
-    ]
 
 
 def step_runners(

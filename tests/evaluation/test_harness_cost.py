@@ -1,0 +1,56 @@
+"""benchmarks/harness_cost.py runs one case as a validate times it and accounts for its seconds:
+on the CPU, the Kimi-K2 layer at test size with the eager stock in both arms (the fused path's
+interpreted kernels would take minutes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from kernels.mla_moe_decode import fused
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness_cost  # noqa: E402
+
+
+def small_scope(tmp_path: Path) -> Path:
+    scope = yaml.safe_load((ROOT / "scopes/kimi-k2-mla-moe-decode-h200.yaml").read_text())
+    scope["model"]["config"] = dict(fused.CPU_TEST_CONFIG)
+    scope["workload"]["context"] = {"min": 1, "max": 256}
+    scope["path"]["baseline"] = scope["path"]["candidate"] = "kernels.mla_moe_decode.stock:forward"
+    scope["claims"] = []
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(scope))
+    return path
+
+
+def test_each_step_of_a_case_is_counted_and_timed(tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    harness_cost.main(
+        [
+            str(small_scope(tmp_path)),
+            "--device",
+            "cpu",
+            "--cases",
+            "8:40",
+            "--quick",
+            "--out",
+            str(out),
+        ]
+    )
+    (case,) = json.loads(out.read_text())["cases"]
+    steps = {row["step"]: row for row in case["steps"]}
+    assert case["case"].startswith("batch=8 context=40") and case["stale"] == []
+    assert case["watched_replays"] >= case["pairs"] >= 4  # a warm-up batch is checked, not kept
+    # 32 anchor draws a layer, then at least one per pair and layer, each routed by the stock
+    routed = steps["their routing checked (floor_bytes)"]["calls"]
+    assert routed >= case["layers"] * (32 + case["pairs"])
+    eager = steps["candidate's eager calls (and near-tie rows, if inexact)"]["calls"]
+    assert eager == case["watched_replays"]
+    sampling = steps["sampling, all of it"]["s"]
+    assert 0 < steps["timed pairs (events, poison, copies)"]["s"] <= sampling <= case["seconds"]

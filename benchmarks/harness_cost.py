@@ -1,4 +1,4 @@
-"""Where the harness's time goes in one case: `engine.measure_case` under cProfile.
+"""Where the harness's time goes in one case: `engine.measure_case` with each step timed.
 
 Timing every pair on inputs of its own (2026-12-07) took the H200 scope's full validate from
 409 s (run 19) to 901 s (run 21), and 15 of its 72 cases to the 10 s sampling cap. Per pair the
@@ -6,99 +6,205 @@ harness now draws inputs until their routing does the timed work (the stock atte
 draw), writes them, and after each batch runs the candidate's eager call on every pair's
 inputs (one pair a batch is also held to the stock's timed result). This script runs the named
 cases as a validate times them and prints, per case, the wall seconds of each of those steps
-(cProfile's cumulative time, which on a GPU includes the waits for the device) and how often
-each ran: which to make cheaper.
+and how often each ran: which to make cheaper.
 
     python3 benchmarks/harness_cost.py scopes/kimi-k2-mla-moe-decode-h200.yaml --device cuda \\
         --cases 8:4096 64:8192 [--quick] [--seed N] [--out $OUT/harness_cost.json]
 
-The correctness trials of a validate are not run (they do not change with the pairs' inputs);
-the first case's seconds include compiling both paths.
+Each step is timed by a wrapper put in the place the engine calls it from (cProfile lost the
+compiled and captured steps on an H200: 0 calls, 2026-12-07). A step on the top level
+synchronizes with the device on entry and exit, so it is charged its own device work; a nested
+step does not (it would change the timed batches), so its seconds are the host's and whatever
+waits it holds. The correctness trials of a validate are not run (they do not change with the
+pairs' inputs); the first case's seconds include compiling both paths.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
+import contextlib
+import functools
 import json
-import pstats
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness.evaluation import engine, timing
 from harness.evaluation.cases import Case
 from harness.evaluation.engine import default_stop_rule, measure_case
 from harness.evaluation.environment import REPO_ROOT, detect_host, fingerprint, git_sha
 from harness.evaluation.loading import load_path
 from scopes.manifest import load_manifest_file
 
-# (module file, function): the steps of measure_case, in the order they run. Nested steps
-# (indented) are part of the one above them.
-STEPS = [
-    ("timing.py", "build_layers", "layers built (weights, inputs, outputs)"),
-    ("timing.py", "step_runners", "both paths compiled and captured"),
-    ("timing.py", "pair_inputs", "timed work anchored (32 draws a layer)"),
-    ("engine.py", "_bytes_moved", "bytes moved"),
-    ("timing.py", "sample_interleaved", "sampling, all of it"),
-    ("timing.py", "seeds_for_batch", "  draws kept for the pairs"),
-    ("timing.py", "work", "    their routing checked (floor_bytes)"),
-    ("timing.py", "draw", "    inputs drawn (every draw, also when written)"),
-    ("timing.py", "write", "  pairs' inputs written"),
-    ("timing.py", "timed_pairs", "  timed pairs (events, poison, copies)"),
-    ("timing.py", "disagreements", "  timed replays checked after each batch"),
-    ("timing.py", "yardstick", "    candidate's eager calls (and near-tie rows, if inexact)"),
-    ("timing.py", "against_stock", "    near-tie rows for the check against the stock"),
-    ("profiling.py", "profile_step", "kernel profiles"),
-    ("timing.py", "wall_us_per_layer", "wall clock per layer"),
-    ("timing.py", "eager_us", "eager times"),
-    ("timing.py", "replay_mismatches", "post-timing replay check"),
+# measure_case's steps as the engine calls them, in order: (module, name, label). Each is
+# replaced there by a timed wrapper for the case.
+TOP_STEPS = [
+    (engine, "build_layers", "layers built (weights, inputs, outputs)"),
+    (engine, "step_runners", "both paths compiled and captured"),
+    (engine, "refresh_inputs", "inputs refreshed (before and after timing)"),
+    (engine, "pair_inputs", "timed work anchored (32 draws a layer)"),
+    (engine, "_bytes_moved", "bytes moved"),
+    (engine, "watched_replays", "replay check set up"),
+    (engine, "sample_interleaved", "sampling, all of it"),
+    (engine, "profile_step", "kernel profiles"),
+    (engine, "wall_us_per_layer", "wall clock per layer"),
+    (engine, "eager_us", "eager times"),
+    (engine, "changed_weights", "weights compared with their seeds"),
+    (engine, "replay_mismatches", "post-timing replay check"),
+]
+# Inside the sampling: (label, depth), in the order printed. They are wrapped on the objects
+# pair_inputs and watched_replays return, and in the timing module's namespace.
+NESTED_STEPS = [
+    ("draws kept for the pairs", 1),
+    ("their routing checked (floor_bytes)", 2),
+    ("inputs drawn (every draw, also when written)", 2),
+    ("pairs' inputs written", 1),
+    ("timed pairs (events, poison, copies)", 1),
+    ("outputs poisoned", 2),
+    ("timed outputs copied", 2),
+    ("timed replays checked after each batch", 1),
+    ("candidate's eager calls (and near-tie rows, if inexact)", 2),
+    ("near-tie rows for the check against the stock", 2),
 ]
 
 
-def profile_case(path, case: Case, seed: int, stop, device: torch.device, manifest) -> dict:
-    profiler = cProfile.Profile()
-    started = time.perf_counter()
-    profiler.enable()
-    performance, stale, timing = measure_case(
-        path, case, seed, stop, 64 if device.type == "cuda" else 2, device, manifest
+class Stopwatch:
+    """Calls and wall seconds per label, of the functions it wrapped."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.calls: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, label: str, fn: Callable[..., Any], sync: bool = False) -> Callable[..., Any]:
+        self.calls.setdefault(label, 0)
+        self.seconds.setdefault(label, 0.0)
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._sync(sync)
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync(sync)
+                self.calls[label] += 1
+                self.seconds[label] += time.perf_counter() - started
+
+        return timed
+
+    def _sync(self, wanted: bool) -> None:
+        if wanted and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+@contextlib.contextmanager
+def steps_timed(watch: Stopwatch) -> Iterator[None]:
+    """Every step of TOP_STEPS and NESTED_STEPS timed into `watch` while inside."""
+    with contextlib.ExitStack() as patches:
+        for module, name, label in TOP_STEPS:
+            wrapped = watch.wrap(label, getattr(module, name), sync=True)
+            if name == "pair_inputs":
+                wrapped = _then(wrapped, functools.partial(_time_pair_inputs, watch))
+            elif name == "watched_replays":
+                wrapped = _then(wrapped, functools.partial(_time_watched, watch))
+            patches.enter_context(_replaced(module, name, wrapped))
+        timed_pairs = watch.wrap("timed pairs (events, poison, copies)", timing.timed_pairs)
+        patches.enter_context(_replaced(timing, "timed_pairs", timed_pairs))
+        yield
+
+
+def _then(fn: Callable[..., Any], after: Callable[[Any], None]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        after(result)
+        return result
+
+    return call
+
+
+def _time_pair_inputs(watch: Stopwatch, inputs: timing.PairInputs) -> None:
+    inputs.draw = watch.wrap("inputs drawn (every draw, also when written)", inputs.draw)
+    if inputs.work is not None:
+        inputs.work = watch.wrap("their routing checked (floor_bytes)", inputs.work)
+    inputs.seeds_for_batch = watch.wrap("draws kept for the pairs", inputs.seeds_for_batch)  # type: ignore[method-assign]
+    inputs.write = watch.wrap("pairs' inputs written", inputs.write)  # type: ignore[method-assign]
+
+
+def _time_watched(watch: Stopwatch, watched: timing.WatchedReplays) -> None:
+    watched.poison = watch.wrap("outputs poisoned", watched.poison)
+    watched.copy = watch.wrap("timed outputs copied", watched.copy)  # type: ignore[method-assign]
+    watched.copy_stock = watch.wrap("timed outputs copied", watched.copy_stock)  # type: ignore[method-assign]
+    watched.disagreements = watch.wrap(  # type: ignore[method-assign]
+        "timed replays checked after each batch", watched.disagreements
     )
-    profiler.disable()
+    watched.yardstick = watch.wrap(
+        "candidate's eager calls (and near-tie rows, if inexact)", watched.yardstick
+    )
+    watched.against_stock = watch.wrap(
+        "near-tie rows for the check against the stock", watched.against_stock
+    )
+
+
+@contextlib.contextmanager
+def _replaced(owner: object, name: str, value: object) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def profile_case(path, case: Case, seed: int, stop, device: torch.device, manifest) -> dict:
+    watch = Stopwatch(device)
+    started = time.perf_counter()
+    with steps_timed(watch):
+        performance, stale, timing_ = measure_case(
+            path, case, seed, stop, 64 if device.type == "cuda" else 2, device, manifest
+        )
     total = time.perf_counter() - started
     return {
         "case": case.id,
         "seconds": total,
-        "pairs": len(timing.stock_us),
-        "layers": timing.layers,
-        "stop_reason": timing.stop_reason,
-        "watched_replays": timing.watched,
+        "pairs": len(timing_.stock_us),
+        "layers": timing_.layers,
+        "stop_reason": timing_.stop_reason,
+        "watched_replays": timing_.watched,
         "stock_us_median": performance.stock_us_median,
         "candidate_us_median": performance.candidate_us_median,
         "stale": stale,
-        "steps": _steps(pstats.Stats(profiler)),
+        "steps": _steps(watch, total),
     }
 
 
-def _steps(stats: pstats.Stats) -> list[dict]:
-    """Each STEPS entry's calls and cumulative seconds, summed over the functions of that name
-    in that file (closures of one name in one module, e.g. `work`, count together)."""
+def _steps(watch: Stopwatch, total: float) -> list[dict]:
+    """The rows printed: the top steps with the nested ones under the sampling, and what no
+    step accounts for."""
+
+    def row(label: str, depth: int) -> dict:
+        return {
+            "step": label,
+            "depth": depth,
+            "calls": watch.calls[label],
+            "s": watch.seconds[label],
+        }
+
     rows = []
-    for filename, name, label in STEPS:
-        calls, seconds = 0, 0.0
-        for (file, _, function), (_, ncalls, _, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
-            if function == name and file.endswith(filename):
-                calls += ncalls
-                seconds += cumtime
-        rows.append({"step": label.strip(), "depth": _depth(label), "calls": calls, "s": seconds})
+    for _, _, label in TOP_STEPS:
+        rows.append(row(label, 0))
+        if label == "sampling, all of it":
+            rows += [row(nested, depth) for nested, depth in NESTED_STEPS]
+    rest = total - sum(watch.seconds[label] for _, _, label in TOP_STEPS)
+    rows.append({"step": "no step (statistics, the rest)", "depth": 0, "calls": 1, "s": rest})
     return rows
-
-
-def _depth(label: str) -> int:
-    return (len(label) - len(label.lstrip(" "))) // 2
 
 
 def print_table(result: dict) -> None:

@@ -54,3 +54,12 @@ def test_each_step_of_a_case_is_counted_and_timed(tmp_path: Path) -> None:
     assert eager == case["watched_replays"]
     sampling = steps["sampling, all of it"]["s"]
     assert 0 < steps["timed pairs (events, poison, copies)"]["s"] <= sampling <= case["seconds"]
+    # every step of measure_case ran and was seen where the engine calls it
+    for label in ("layers built (weights, inputs, outputs)", "both paths compiled and captured"):
+        assert steps[label]["calls"] >= 1 and steps[label]["s"] > 0
+    assert steps["both paths compiled and captured"]["calls"] == 2  # stock and candidate
+    assert steps["eager times"]["calls"] == 2 and steps["post-timing replay check"]["calls"] == 1
+    assert steps["outputs poisoned"]["calls"] == 2 * case["watched_replays"]  # before each call
+    rest = steps["no step (statistics, the rest)"]["s"]
+    top = sum(row["s"] for row in case["steps"] if row["depth"] == 0)
+    assert abs(top - case["seconds"]) < 1e-6 and 0 <= rest < case["seconds"]

@@ -9,7 +9,7 @@ cases as a validate times them and prints, per case, the wall seconds of each of
 and how often each ran: which to make cheaper.
 
     python3 benchmarks/harness_cost.py scopes/kimi-k2-mla-moe-decode-h200.yaml --device cuda \\
-        --cases 8:4096 64:8192 [--quick] [--seed N] [--out $OUT/harness_cost.json]
+        --cases 8:4096 64:8192 [--quick] [--eager-work] [--seed N] [--out $OUT/harness_cost.json]
 
 Each step is timed by a wrapper put in the place the engine calls it from (cProfile lost the
 compiled and captured steps on an H200: 0 calls, 2026-12-07). A step on the top level
@@ -232,10 +232,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="the quick validate's stop rule")
     parser.add_argument("--seed", type=int, default=20261207)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--eager-work",
+        action="store_true",
+        help="check the pair draws by floor_bytes, one eager call each, not floor_counter",
+    )
     args = parser.parse_args(argv)
 
     manifest = load_manifest_file(args.scope)
     path = load_path(manifest)
+    if args.eager_work:
+        path.problem.floor_counter = None  # timing._work_counter then calls floor_bytes
     device = torch.device(args.device)
     host = detect_host(args.device)
     stop = default_stop_rule(device, args.quick)
@@ -258,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         record = {
             "scope": str(args.scope),
             "quick": args.quick,
+            "eager_work": args.eager_work,
             "seed": args.seed,
             "environment": fingerprint(host, git_sha(REPO_ROOT)),
             "cases": results,

@@ -128,7 +128,7 @@ def pair_inputs(
     """The timed pairs' input sets for `layer_set`, whose inputs now hold the timed inputs."""
     problem = path.problem
     hook = getattr(problem, "pair_inputs", None)
-    floor = getattr(problem, "floor_bytes", None) if case.cp == 1 else None
+    counts_work = case.cp == 1 and hasattr(problem, "floor_bytes")
 
     def draw(layer: int, draw_seed: int) -> Tensors:
         make = hook or problem.make_inputs
@@ -144,9 +144,9 @@ def pair_inputs(
         return dict(values)
 
     draw(0, seed)  # a problem whose draws the layers cannot hold says so before any timing
-    if floor is None:
+    if not counts_work:
         return PairInputs(draw, None, [None] * len(layer_set.args), layer_set, seed)
-    work = _work_counter(floor, case, layer_set)
+    work = _work_counter(problem, case, layer_set)
     anchors = [_most_common_work(draw, work, seed, layer) for layer in range(len(layer_set.args))]
     inputs = PairInputs(draw, work, [needed for _, needed in anchors], layer_set, seed)
     inputs.write([anchor for anchor, _ in anchors])  # the timed work, and bytes_moved's inputs
@@ -170,9 +170,16 @@ def _most_common_work(
 
 
 def _work_counter(
-    floor: Callable[..., int], case: Case, layer_set: LayerSet
+    problem: object, case: Case, layer_set: LayerSet
 ) -> Callable[[int, Tensors], int]:
-    """(layer, values) -> the problem's floor bytes of that layer with `values` written in."""
+    """(layer, values) -> the problem's floor bytes of that layer with `values` written in: by
+    its `floor_counter(case, weights, inputs)` where it has one (made for many draws on one
+    layer, e.g. a captured graph), else one floor_bytes call per draw."""
+    counter = getattr(problem, "floor_counter", None)
+    if counter is not None:
+        counters = [counter(case, weights, inputs) for weights, inputs, _ in layer_set.args]
+        return lambda layer, values: int(counters[layer](values))
+    floor = problem.floor_bytes  # type: ignore[attr-defined]
 
     def work(layer: int, values: Tensors) -> int:
         weights, inputs, _ = layer_set.args[layer]

@@ -21,7 +21,9 @@ outputs are this GPU's partial sums. model.config keys: the LayerConfig fields (
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -121,12 +123,31 @@ class Problem:
         """The bytes any path must read or write for these inputs: every dense weight, each
         local expert the stock routing activates (once, however many tokens chose it), the KV
         cache, the inputs and the outputs."""
-        dense = sum(t.nbytes for n, t in weights.items() if n not in (*EXPERT_WEIGHTS, "config"))
-        per_expert = sum(weights[n][0].nbytes for n in EXPERT_WEIGHTS)
         active = len(activated_local_experts(self.config, weights, inputs))
+        return self._bytes_but_experts(case, weights, inputs) + active * _expert_bytes(weights)
+
+    def floor_counter(
+        self, case: Case, weights: Tensors, inputs: Tensors
+    ) -> Callable[[Tensors], int]:
+        """`floor_bytes(case, weights, {**inputs, **values})` for many `values` (x and
+        residual, as pair_inputs draws them) on one layer's weights and held inputs: the
+        harness checks thousands of pair draws this way. Each eager count launched ~150 ops and
+        took 2.2-2.6 ms on an H200 at any batch, a quarter of a batch-8 case's seconds
+        (benchmarks/harness_cost.py, 2026-12-07); on CUDA the stock routing and the count run
+        as one captured graph instead, reading the values from buffers of its own."""
+        fixed = self._bytes_but_experts(case, weights, inputs)
+        per_expert = _expert_bytes(weights)
+        held = {**inputs}
+        count = functools.partial(_local_expert_count, self.config, weights)
+        if inputs["x"].device.type == "cuda":
+            count = _captured(count, held)
+        return lambda values: fixed + per_expert * int(count({**held, **values}))
+
+    def _bytes_but_experts(self, case: Case, weights: Tensors, inputs: Tensors) -> int:
+        dense = sum(t.nbytes for n, t in weights.items() if n not in (*EXPERT_WEIGHTS, "config"))
         small = sum(inputs[n].nbytes for n in ("x", "residual", "positions"))
         outputs = sum(t.nbytes for t in self.make_outputs(case, torch.device("meta")).values())
-        return dense + active * per_expert + inputs["kv_cache"].nbytes + small + outputs
+        return dense + inputs["kv_cache"].nbytes + small + outputs
 
     def ambiguous_rows(self, weights: Tensors, inputs: Tensors) -> dict[str, torch.Tensor]:
         """Tokens of `out` whose local expert set hangs on a near-tie: in float64, two or more
@@ -206,6 +227,11 @@ def weight_shapes(c: LayerConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _expert_bytes(weights: Tensors) -> int:
+    """The bytes of one local expert's weights."""
+    return sum(weights[n][0].nbytes for n in EXPERT_WEIGHTS)
+
+
 def expected_local_experts(c: LayerConfig, batch: int) -> float:
     """Distinct local experts activated by `batch` tokens when each picks top_k of
     experts_total uniformly: experts * (1 - (1 - top_k / experts_total) ** batch)."""
@@ -217,6 +243,40 @@ def activated_local_experts(c: LayerConfig, weights: Tensors, inputs: Tensors) -
     _, topk_ids = stock.route(weights, inputs)
     local = topk_ids.flatten() - c.expert_offset
     return sorted(int(e) for e in local[(local >= 0) & (local < c.experts)].unique().tolist())
+
+
+def _local_expert_count(c: LayerConfig, weights: Tensors, inputs: Tensors) -> torch.Tensor:
+    """len(activated_local_experts(...)) as a 0-d tensor, with no sync: capturable."""
+    _, topk_ids = stock.route(weights, inputs)
+    chosen = torch.zeros(c.experts_total, dtype=torch.bool, device=topk_ids.device)
+    chosen[topk_ids.flatten()] = True
+    return chosen[c.expert_offset : c.expert_offset + c.experts].sum()
+
+
+def _captured(
+    count: Callable[[Tensors], torch.Tensor], held: Tensors
+) -> Callable[[Tensors], torch.Tensor]:
+    """`count` as one CUDA graph over `held`: a call copies its x and residual into the
+    graph's own buffers and replays it (the other inputs are read where `held` keeps them)."""
+    drawn = {name: held[name].clone() for name in ("x", "residual")}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # cuBLAS's handles and workspaces made outside the capture
+        count({**held, **drawn})
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = count({**held, **drawn})
+
+    def replay(values: Tensors) -> torch.Tensor:
+        if values.keys() - drawn.keys():  # the graph reads the rest where `held` keeps them
+            raise ValueError(f"a captured count takes x and residual, not {sorted(values)}")
+        for name, buffer in drawn.items():
+            buffer.copy_(values[name])
+        graph.replay()
+        return result
+
+    return replay
 
 
 def _draw_weight(

@@ -8,6 +8,7 @@ kv_b_proj, RoPE through complex rotations, routing and experts one token at a ti
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import MappingProxyType
 
 import pytest
@@ -17,6 +18,7 @@ from harness.evaluation.cases import Case
 from kernels.mla_moe_decode import stock
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.problem import Problem, expected_local_experts
+from scopes.manifest import load_manifest_file
 
 Tensors = dict[str, torch.Tensor]
 CPU = torch.device("cpu")
@@ -36,6 +38,7 @@ SMALL = {
     "rank": 2,  # local experts are 16..23: a path that assumes rank 0 fails
 }
 OUTPUTS = ("out", "residual_out", "kv_new")
+SCOPE = Path(__file__).resolve().parents[2] / "scopes/kimi-k2-mla-moe-decode-h200.yaml"
 
 
 def _problem(**overrides: object) -> Problem:
@@ -304,6 +307,46 @@ def test_floor_bytes_counts_exactly_the_activated_local_experts() -> None:
     bias[[1, 40]] -= 10.0
     bias[[17, 22]] += 10.0  # every token: local experts 1 and 6, plus remote ones
     assert problem.floor_bytes(case, weights, inputs) == dense + kv + io + 2 * per_expert
+
+
+def test_floor_counter_counts_each_draw_as_floor_bytes_does() -> None:
+    """The harness checks every pair draw through floor_counter: it must give floor_bytes' count
+    for each, reading the layer's weights as they are now."""
+    problem, case, weights, inputs = _setup(8, 17, seed=9)
+    count = problem.floor_counter(case, weights, inputs)
+    counts = set()
+    for seed in range(12):
+        values = problem.pair_inputs(case, seed, CPU)
+        counts.add(count(values))
+        assert count(values) == problem.floor_bytes(case, weights, {**inputs, **values})
+    assert len(counts) > 1  # the draws route differently, and each count follows its own
+    weights["e_score_correction_bias"][[17, 22]] += 10.0  # local experts 1 and 6 for every token
+    values = problem.pair_inputs(case, 99, CPU)
+    assert count(values) == problem.floor_bytes(case, weights, {**inputs, **values})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("batch", "context"), [(1, 4096), (8, 2048), (64, 8192)])
+def test_floor_counter_graph_counts_as_the_eager_floor_bytes_on_the_gpu(
+    batch: int, context: int
+) -> None:
+    """On CUDA the counter replays a captured graph of the stock routing: on the real shard's
+    sizes its count of every draw is the eager floor_bytes' (the timed work of a validate's
+    pairs and the floor the fraction divides by come from these two)."""
+    config = dict(load_manifest_file(SCOPE).model.config)
+    problem, cuda = Problem(config), torch.device("cuda")
+    case = Case(batch, context, 1, 1, "bfloat16", "gpu", config=MappingProxyType(config))
+    weights = problem.make_weights(case, 3, cuda)
+    inputs = problem.make_inputs(case, 4, cuda)
+    count = problem.floor_counter(case, weights, inputs)
+    counts = []
+    for seed in range(40):
+        values = problem.pair_inputs(case, seed, cuda)
+        counts.append(count(values))
+        assert counts[-1] == problem.floor_bytes(case, weights, {**inputs, **values}), seed
+    assert batch == 1 or len(set(counts)) > 1
+    del weights, inputs, count
+    torch.cuda.empty_cache()
 
 
 def test_bytes_moved_at_kimi_k2_shard_size() -> None:

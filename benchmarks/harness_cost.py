@@ -180,9 +180,18 @@ def profile_case(path, case: Case, seed: int, stop, device: torch.device, manife
         "watched_replays": timing_.watched,
         "stock_us_median": performance.stock_us_median,
         "candidate_us_median": performance.candidate_us_median,
+        # min, 10%, median, 90%, max per layer: how far the samples spread (a GPU that waits
+        # for the host's launch inside the events widens them)
+        "stock_us_spread": _spread(timing_.stock_us),
+        "candidate_us_spread": _spread(timing_.candidate_us),
         "stale": stale,
         "steps": _steps(watch, total),
     }
+
+
+def _spread(samples: list[float]) -> list[float]:
+    ordered = sorted(samples)
+    return [ordered[round(q * (len(ordered) - 1))] for q in (0.0, 0.1, 0.5, 0.9, 1.0)]
 
 
 def _steps(watch: Stopwatch, total: float) -> list[dict]:
@@ -212,6 +221,9 @@ def print_table(result: dict) -> None:
         f"\n{result['case']}: {result['seconds']:.1f} s, {result['pairs']} pairs, "
         f"{result['layers']} layers ({result['stop_reason']})"
     )
+    for arm in ("stock", "candidate"):
+        spread = ", ".join(f"{us:.1f}" for us in result[f"{arm}_us_spread"])
+        print(f"{arm} µs per layer, min / 10% / median / 90% / max: {spread}")
     print("| step | calls | s | share |\n|---|---|---|---|")
     for row in result["steps"]:
         share = row["s"] / result["seconds"] if result["seconds"] else 0.0
@@ -237,7 +249,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="check the pair draws by floor_bytes, one eager call each, not floor_counter",
     )
+    parser.add_argument(
+        "--lead-cycles",
+        type=int,
+        default=timing.LEAD_CYCLES,
+        help="the GPU's spin before each timed call (0: none, as before 2026-12-07's fix)",
+    )
     args = parser.parse_args(argv)
+    timing.LEAD_CYCLES = args.lead_cycles
 
     manifest = load_manifest_file(args.scope)
     path = load_path(manifest)
@@ -266,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
             "scope": str(args.scope),
             "quick": args.quick,
             "eager_work": args.eager_work,
+            "lead_cycles": args.lead_cycles,
             "seed": args.seed,
             "environment": fingerprint(host, git_sha(REPO_ROOT)),
             "cases": results,

@@ -596,6 +596,11 @@ def _nothing() -> None:
     return None
 
 
+# ~0.25 ms of spinning at ~2 GHz: several times the host's launch of a timed graph. It is GPU
+# time outside the events (20 calls a batch: ~5 ms), charged to neither arm.
+LEAD_CYCLES = 500_000
+
+
 def _cuda_intervals(
     calls: list[Callable[[], None]],
     between: Callable[[], None],
@@ -604,7 +609,14 @@ def _cuda_intervals(
 ) -> list[float]:
     """Microseconds of each call between its own two CUDA events, all enqueued before one
     synchronize; `before[index]`, `between` and `after[index]` are enqueued outside the
-    events."""
+    events.
+
+    Just before each start event the GPU spins (LEAD_CYCLES), so the call is in the queue when
+    the event fires. Without it, a GPU that had caught up with the host (which draws and writes
+    each pair's inputs between the calls) recorded the start while the host was still
+    launching the graph, and the interval took in that launch: on an H100 (2026-12-07) the
+    stock's batch-1 samples ranged 151-228 µs per layer, the candidate's 89-122, and one
+    capture of 4 x 1024 ran 16% slow."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in calls]
     ends = [torch.cuda.Event(enable_timing=True) for _ in calls]
     torch.cuda._sleep(2_000_000)  # the GPU spins (~1 ms) while the host enqueues ahead of it
@@ -612,6 +624,8 @@ def _cuda_intervals(
         for function in before.get(index, []):
             function()
         between()
+        if LEAD_CYCLES:
+            torch.cuda._sleep(LEAD_CYCLES)
         start.record()
         call()
         end.record()

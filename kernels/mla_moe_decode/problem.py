@@ -137,11 +137,12 @@ class Problem:
         as one captured graph instead, reading the values from buffers of its own."""
         fixed = self._bytes_but_experts(case, weights, inputs)
         per_expert = _expert_bytes(weights)
-        held = {**inputs}
         count = functools.partial(_local_expert_count, self.config, weights)
         if inputs["x"].device.type == "cuda":
-            count = _captured(count, held)
-        return lambda values: fixed + per_expert * int(count({**held, **values}))
+            counted = _captured(count, {**inputs})
+        else:
+            counted = lambda values: count({**inputs, **values})  # noqa: E731
+        return lambda values: fixed + per_expert * int(counted(values))
 
     def _bytes_but_experts(self, case: Case, weights: Tensors, inputs: Tensors) -> int:
         dense = sum(t.nbytes for n, t in weights.items() if n not in (*EXPERT_WEIGHTS, "config"))
@@ -249,7 +250,7 @@ def _local_expert_count(c: LayerConfig, weights: Tensors, inputs: Tensors) -> to
     """len(activated_local_experts(...)) as a 0-d tensor, with no sync: capturable."""
     _, topk_ids = stock.route(weights, inputs)
     chosen = torch.zeros(c.experts_total, dtype=torch.bool, device=topk_ids.device)
-    chosen[topk_ids.flatten()] = True
+    chosen.index_fill_(0, topk_ids.flatten(), True)  # `chosen[ids] = True` copies from the host
     return chosen[c.expert_offset : c.expert_offset + c.experts].sum()
 
 

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from harness.evaluation import timing
 from harness.evaluation.timing import (
     LAUNCH_ALLOWANCE_US,
     SPAN_RATIO_LIMIT,
@@ -38,6 +39,47 @@ def test_pairs_alternate_and_each_side_keeps_its_own_arm() -> None:
     assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert len(pairs) == 4
     assert all(a_us > b_us > 900 for a_us, b_us in pairs), pairs  # a spins 4 ms, b 1 ms
+
+
+class _Event:
+    """A CUDA event for the order test: records its name into the shared log."""
+
+    def __init__(self, log: list[str], name: str):
+        self.log, self.name = log, name
+
+    def record(self) -> None:
+        self.log.append(self.name)
+
+    def elapsed_time(self, end: _Event) -> float:
+        return 0.5
+
+
+def test_the_gpu_spins_before_each_start_event_outside_the_intervals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA every timed call is enqueued as: the pair's writes, the poison, a spin of
+    LEAD_CYCLES, then start, the call, end. The spin keeps the call queued before its start
+    fires when the GPU has caught up with the host (quick validate 8, 2026-12-07); run on the
+    CPU with the CUDA calls replaced by a log of the order they were enqueued in."""
+    log: list[str] = []
+    names = iter(["start", "start", "end", "end"])
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing: _Event(log, next(names)))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(f"spin {cycles}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    times = timing._cuda_intervals(
+        [lambda: log.append("a"), lambda: log.append("b")],
+        lambda: log.append("poison"),
+        {0: [lambda: log.append("write pair 0")]},
+        {1: [lambda: log.append("copy b")]},
+    )
+    lead = f"spin {timing.LEAD_CYCLES}"
+    assert timing.LEAD_CYCLES > 0 and times == [500.0, 500.0]
+    assert log == [
+        "spin 2000000",
+        *("write pair 0", "poison", lead, "start", "a", "end"),
+        *("poison", lead, "start", "b", "end", "copy b"),
+        "sync",
+    ]
 
 
 def test_the_capture_spread_widens_the_interval() -> None:

@@ -178,6 +178,8 @@ def profile_case(path, case: Case, seed: int, stop, device: torch.device, manife
         "layers": timing_.layers,
         "stop_reason": timing_.stop_reason,
         "watched_replays": timing_.watched,
+        "late_starts": timing_.late_starts,  # of timed_calls (timing._cuda_intervals)
+        "timed_calls": timing_.timed_calls,
         "stock_us_median": performance.stock_us_median,
         "candidate_us_median": performance.candidate_us_median,
         # min, 10%, median, 90%, max per layer: how far the samples spread (a GPU that waits
@@ -221,6 +223,7 @@ def print_table(result: dict) -> None:
         f"\n{result['case']}: {result['seconds']:.1f} s, {result['pairs']} pairs, "
         f"{result['layers']} layers ({result['stop_reason']})"
     )
+    print(f"calls that may have started late: {result['late_starts']} of {result['timed_calls']}")
     for arm in ("stock", "candidate"):
         spread = ", ".join(f"{us:.1f}" for us in result[f"{arm}_us_spread"])
         print(f"{arm} µs per layer, min / 10% / median / 90% / max: {spread}")

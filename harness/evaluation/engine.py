@@ -536,6 +536,8 @@ def measure_case(
         integrity_flags=flags,
         watched_replays=timing.watched,
         timed_input_sets=timing.input_sets,
+        late_starts=timing.late_starts,
+        timed_calls=timing.timed_calls,
     )
     return performance, stale, timing
 

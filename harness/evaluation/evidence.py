@@ -110,6 +110,11 @@ class PerformanceEvidence(Model):
     # The input sets the timed pairs ran on, a new one for every pair with the timed inputs'
     # work (timing.PairInputs); None in evidence from before.
     timed_input_sets: int | None = None
+    # Sampled timed calls whose start event may have fired before the host had queued them,
+    # so their interval may hold the graph's launch, and all the sampled calls (CUDA; 0 on the
+    # host clock; None in evidence from before 2026-12-07's check).
+    late_starts: int | None = None
+    timed_calls: int | None = None
     # Cross-checks that disagree with the event timing: each sends the verdict to review.
     integrity_flags: list[str] = []
 

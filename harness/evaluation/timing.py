@@ -69,6 +69,10 @@ class Timing:
     stop_reason: str = ""
     watched: int = 0  # timed candidate replays compared with its eager result (all of them)
     input_sets: int = 0  # the input sets the timed pairs ran on: a new one for every pair
+    # Sampled calls whose start event may have fired before the host had queued the call, so
+    # that their interval may hold the graph's launch (_cuda_intervals); of timed_calls.
+    late_starts: int = 0
+    timed_calls: int = 0
     watched_problems: list[str] = field(default_factory=list)  # why those disagreed
 
 
@@ -375,6 +379,7 @@ def sample_interleaved(
             if watched:
                 watched.picked = sync.same_pick(watched.picked) % stop.pairs_per_batch
             sync.align()
+        late: list[int] = []
         if watched:
             new_pairs = timed_pairs(
                 stock[capture],
@@ -385,15 +390,18 @@ def sample_interleaved(
                 functools.partial(_write_pair, watched.inputs, seeds),
                 watched.copy,
                 watched.copy_stock,
+                late,
             )
             _judge_watched(timing, watched, seeds, batch, capture)
         else:
             new_pairs = timed_pairs(
-                stock[capture], candidate[capture], stop.pairs_per_batch, device
+                stock[capture], candidate[capture], stop.pairs_per_batch, device, late=late
             )
         batch += 1
         if batch <= len(stock):
             continue  # a warm-up batch
+        timing.late_starts += sum(late)
+        timing.timed_calls += 2 * len(new_pairs)
         for stock_us, candidate_us in new_pairs:
             timing.stock_us.append(stock_us / timing.layers)
             timing.candidate_us.append(candidate_us / timing.layers)
@@ -563,13 +571,15 @@ def timed_pairs(
     before_pair: Callable[[int], None] | None = None,
     after_b: Callable[[int], None] | None = None,
     after_a: Callable[[int], None] | None = None,
+    late: list[int] | None = None,
 ) -> list[tuple[float, float]]:
     """`count` (a_us, b_us) pairs, run strictly alternating; odd pairs run b first.
 
     Outside the timed intervals: `between` runs before every call (the engine poisons the
     outputs there), `before_pair(i)` before pair i's first call (the engine writes the pair's
     inputs there), `after_b(i)` and `after_a(i)` after pair i's b and a calls (the engine
-    copies their outputs there)."""
+    copies their outputs there). `late`, where given, receives the number of calls whose start
+    may have fired before they were queued (_cuda_intervals; 0 on the host clock)."""
     calls = []
     for i in range(count):
         calls += [a, b] if i % 2 == 0 else [b, a]
@@ -584,7 +594,9 @@ def timed_pairs(
         if after_a is not None:
             after[a_index] = [functools.partial(after_a, i)]
     clock = _cuda_intervals if device.type == "cuda" else _host_intervals
-    times = clock(calls, between or _nothing, before, after)
+    times, late_calls = clock(calls, between or _nothing, before, after)
+    if late is not None:
+        late.append(late_calls)
     pairs = []
     for i in range(count):
         first, second = times[2 * i], times[2 * i + 1]
@@ -606,33 +618,46 @@ def _cuda_intervals(
     between: Callable[[], None],
     before: dict[int, list[Callable[[], None]]],
     after: dict[int, list[Callable[[], None]]],
-) -> list[float]:
+) -> tuple[list[float], int]:
     """Microseconds of each call between its own two CUDA events, all enqueued before one
-    synchronize; `before[index]`, `between` and `after[index]` are enqueued outside the
-    events.
+    synchronize, and how many calls may have started late; `before[index]`, `between` and
+    `after[index]` are enqueued outside the events.
 
     Just before each start event the GPU spins (LEAD_CYCLES), so the call is in the queue when
     the event fires. Without it, a GPU that had caught up with the host (which draws and writes
     each pair's inputs between the calls) recorded the start while the host was still
     launching the graph, and the interval took in that launch: on an H100 (2026-12-07) the
     stock's batch-1 samples ranged 151-228 µs per layer, the candidate's 89-122, and one
-    capture of 4 x 1024 ran 16% slow."""
+    capture of 4 x 1024 ran 16% slow.
+
+    A call started late where the host took longer to queue it, from the spin to the call's
+    return, than the GPU took from the spin to the start event: the GPU reached the spin no
+    earlier than the host queued it, so within that time the start could not have fired."""
+    leads = [torch.cuda.Event(enable_timing=True) for _ in calls]
     starts = [torch.cuda.Event(enable_timing=True) for _ in calls]
     ends = [torch.cuda.Event(enable_timing=True) for _ in calls]
+    queueing_ms = []
     torch.cuda._sleep(2_000_000)  # the GPU spins (~1 ms) while the host enqueues ahead of it
-    for index, (call, start, end) in enumerate(zip(calls, starts, ends, strict=True)):
+    for index, (call, lead, start, end) in enumerate(zip(calls, leads, starts, ends, strict=True)):
         for function in before.get(index, []):
             function()
         between()
+        queued = time.perf_counter()  # before the lead event: the GPU reaches it after this
+        lead.record()
         if LEAD_CYCLES:
             torch.cuda._sleep(LEAD_CYCLES)
         start.record()
         call()
         end.record()
+        queueing_ms.append(1000.0 * (time.perf_counter() - queued))
         for function in after.get(index, []):
             function()
     torch.cuda.synchronize()
-    return [1000.0 * start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
+    late = sum(
+        host_ms > lead.elapsed_time(start)
+        for host_ms, lead, start in zip(queueing_ms, leads, starts, strict=True)
+    )
+    return [1000.0 * start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)], late
 
 
 def _host_intervals(
@@ -640,7 +665,7 @@ def _host_intervals(
     between: Callable[[], None],
     before: dict[int, list[Callable[[], None]]],
     after: dict[int, list[Callable[[], None]]],
-) -> list[float]:
+) -> tuple[list[float], int]:
     times = []
     for index, call in enumerate(calls):
         for function in before.get(index, []):
@@ -651,7 +676,7 @@ def _host_intervals(
         times.append(1e6 * (time.perf_counter() - started))
         for function in after.get(index, []):
             function()
-    return times
+    return times, 0
 
 
 def capture_graph(fn: PathFn, layer_set: LayerSet) -> torch.cuda.CUDAGraph:

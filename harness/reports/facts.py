@@ -324,6 +324,7 @@ def warnings(evidence: Evidence) -> list[str]:
             f"(largest {speedup:.3g}x at {top.id}); check the stock path is the real baseline."
         )
     found += _hbm_warnings(timed)
+    found += _late_start_warnings(timed)
     found += evidence.warnings  # the run's own: the pre-screen's findings, a floor fallback
     cached = [c for c in timed if c.performance and not c.performance.exceeds_l2]
     if cached and timed and cached[0].performance and cached[0].performance.is_gpu_evidence:
@@ -332,6 +333,23 @@ def warnings(evidence: Evidence) -> list[str]:
             "their layers may be served from cache rather than HBM."
         )
     return found
+
+
+def _late_start_warnings(timed: list[CaseEvidence]) -> list[str]:
+    """Timed calls whose interval may hold the host's launch of the graph (timing.
+    _cuda_intervals): such a time is too high, and more so for the path with the larger graph
+    (usually the stock, which flatters the speedup)."""
+    late = [c for c in timed if c.performance and c.performance.late_starts]
+    if not late:
+        return []
+    calls = sum(c.performance.late_starts or 0 for c in late if c.performance)
+    total = sum(c.performance.timed_calls or 0 for c in late if c.performance)
+    worst = max(late, key=lambda c: (c.performance.late_starts or 0) if c.performance else 0)
+    return [
+        f"late starts: {calls} of the {total} timed calls of {len(late)} case(s) may have "
+        f"started before the host had queued them (most at {worst.id}), so their times may "
+        "include the graph's launch: the host fell behind the GPU; rerun on a quieter host."
+    ]
 
 
 def _hbm_warnings(timed: list[CaseEvidence]) -> list[str]:

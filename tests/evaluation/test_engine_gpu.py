@@ -46,6 +46,9 @@ def test_example_scope_on_gpu_is_correct_and_timed_as_graphs() -> None:
         # every timed candidate replay compared, each pair on inputs of its own
         assert perf.watched_replays and perf.timed_input_sets == perf.watched_replays
         assert perf.watched_replays % 10 == 0 and perf.tallied_replays is None
+        # every sampled call was checked for a start before it was queued (the count may be
+        # nonzero on a slow host: the report warns then)
+        assert perf.timed_calls == 2 * len(perf.stock_us) and perf.late_starts is not None
         assert perf.candidate_hbm_fraction is not None and 0 < perf.candidate_hbm_fraction < 1.2
         # summed kernel time never exceeds the event time of the same replay by much
         assert perf.candidate_kernel_us_per_layer is not None

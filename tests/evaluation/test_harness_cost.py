@@ -47,9 +47,11 @@ def test_each_step_of_a_case_is_counted_and_timed(tmp_path: Path) -> None:
     steps = {row["step"]: row for row in case["steps"]}
     assert case["case"].startswith("batch=8 context=40") and case["stale"] == []
     assert case["watched_replays"] >= case["pairs"] >= 4  # a warm-up batch is checked, not kept
-    # 32 anchor draws a layer, then at least one per pair and layer, each routed by the stock
+    # at least one draw per pair and layer, each routed by the stock (the 32 anchor draws a
+    # layer are the anchoring step's, counted there)
     routed = steps["their routing checked (floor_bytes)"]["calls"]
-    assert routed >= case["layers"] * (32 + case["pairs"])
+    assert routed >= case["layers"] * case["watched_replays"]
+    assert steps["timed work anchored (32 draws a layer)"]["calls"] == 1
     eager = steps["candidate's eager calls (and near-tie rows, if inexact)"]["calls"]
     assert eager == case["watched_replays"]
     sampling = steps["sampling, all of it"]["s"]

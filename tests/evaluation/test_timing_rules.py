@@ -42,44 +42,71 @@ def test_pairs_alternate_and_each_side_keeps_its_own_arm() -> None:
 
 
 class _Event:
-    """A CUDA event for the order test: records its name into the shared log."""
+    """A CUDA event for the order tests: records its name into the shared log; every interval
+    between two of them reads `elapsed_ms`."""
 
-    def __init__(self, log: list[str], name: str):
-        self.log, self.name = log, name
+    def __init__(self, log: list[str], name: str, elapsed_ms: float):
+        self.log, self.name, self.elapsed_ms = log, name, elapsed_ms
 
     def record(self) -> None:
         self.log.append(self.name)
 
     def elapsed_time(self, end: _Event) -> float:
-        return 0.5
+        return self.elapsed_ms
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, calls: int, elapsed_ms: float) -> list[str]:
+    """torch.cuda's events, spin and synchronize replaced by a log of the order they were
+    enqueued in; _cuda_intervals makes `calls` lead, start and end events in that order."""
+    log: list[str] = []
+    names = iter(["lead"] * calls + ["start"] * calls + ["end"] * calls)
+    monkeypatch.setattr(
+        torch.cuda, "Event", lambda enable_timing: _Event(log, next(names), elapsed_ms)
+    )
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(f"spin {cycles}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    return log
 
 
 def test_the_gpu_spins_before_each_start_event_outside_the_intervals(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On CUDA every timed call is enqueued as: the pair's writes, the poison, a spin of
-    LEAD_CYCLES, then start, the call, end. The spin keeps the call queued before its start
-    fires when the GPU has caught up with the host (quick validate 8, 2026-12-07); run on the
-    CPU with the CUDA calls replaced by a log of the order they were enqueued in."""
-    log: list[str] = []
-    names = iter(["start", "start", "end", "end"])
-    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing: _Event(log, next(names)))
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(f"spin {cycles}"))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
-    times = timing._cuda_intervals(
+    """On CUDA every timed call is enqueued as: the pair's writes, the poison, the lead event,
+    a spin of LEAD_CYCLES, then start, the call, end. The spin keeps the call queued before its
+    start fires when the GPU has caught up with the host (quick validate 8, 2026-12-07)."""
+    log = _fake_cuda(monkeypatch, 2, elapsed_ms=0.5)
+    times, late = timing._cuda_intervals(
         [lambda: log.append("a"), lambda: log.append("b")],
         lambda: log.append("poison"),
         {0: [lambda: log.append("write pair 0")]},
         {1: [lambda: log.append("copy b")]},
     )
     lead = f"spin {timing.LEAD_CYCLES}"
-    assert timing.LEAD_CYCLES > 0 and times == [500.0, 500.0]
+    assert timing.LEAD_CYCLES > 0 and times == [500.0, 500.0] and late == 0
     assert log == [
         "spin 2000000",
-        *("write pair 0", "poison", lead, "start", "a", "end"),
-        *("poison", lead, "start", "b", "end", "copy b"),
+        *("write pair 0", "poison", "lead", lead, "start", "a", "end"),
+        *("poison", "lead", lead, "start", "b", "end", "copy b"),
         "sync",
     ]
+
+
+def test_a_call_the_host_queued_slower_than_the_gpu_spun_is_counted_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GPU took 0.5 ms from the lead event to the start (the fake events say); a call whose
+    launch kept the host 4 ms may have been started before it was queued, and is counted, in
+    the sampled batches of a whole run as in one batch."""
+    _fake_cuda(monkeypatch, 4, elapsed_ms=0.5)
+    slow, log = _sleeps(0.004, [], "slow"), []
+    _, late = timing._cuda_intervals(
+        [slow, _sleeps(0, log, "quick"), _sleeps(0, log, "quick"), slow], lambda: None, {}, {}
+    )
+    assert late == 2
+    counted: list[int] = []
+    _fake_cuda(monkeypatch, 4, elapsed_ms=0.5)
+    timed_pairs(slow, _sleeps(0, log, "quick"), 2, torch.device("cuda"), late=counted)
+    assert counted == [2]  # each pair has one slow call
 
 
 def test_the_capture_spread_widens_the_interval() -> None:

@@ -111,6 +111,7 @@ def test_every_timed_call_of_both_arms_starts_on_poisoned_outputs() -> None:
     assert len(seen) == 2 * (3 + 6) * 2 and all(seen)  # 2 arms x (warm-up + 6) pairs x 2 layers
     assert timing.watched == 3 + 6 and timing.watched_problems == []  # every candidate call
     assert timing.input_sets == 3 + 6
+    assert timing.timed_calls == 2 * 6 and timing.late_starts == 0  # sampled calls; host clock
 
 
 def test_every_pair_runs_on_inputs_of_its_own_and_both_arms_on_the_same() -> None:
@@ -230,6 +231,7 @@ def test_measure_case_fails_a_case_whose_timed_replays_were_wrong(
     )
     assert performance.watched_replays == 3 * 2  # a warm-up batch and two sampled, all pairs
     assert performance.timed_input_sets == 3 * 2 and performance.tallied_replays is None
+    assert performance.timed_calls == 2 * 4 and performance.late_starts == 0
     assert len(stale) == 2, stale
     assert stale[0].startswith("2 of the 2 timed replays of the candidate (batch 0, capture 0)")
     assert "other bits" in stale[0]

@@ -100,6 +100,19 @@ def test_a_candidate_faster_than_hbm_allows_is_warned_about() -> None:
     assert "beyond the HBM floor" in render_markdown(evidence)
 
 
+def test_timed_calls_that_may_have_started_late_are_warned_about() -> None:
+    evidence = load("h200_rmsnorm")
+    assert "late starts" not in render_markdown(evidence)  # evidence from before the count
+    for index in (-1, -2):
+        case = evidence.cases[index]
+        assert case.performance is not None
+        perf = case.performance.model_copy(update={"late_starts": 3 - index, "timed_calls": 400})
+        evidence.cases[index] = case.model_copy(update={"performance": perf})
+    warnings = render_markdown(evidence).split("## Warnings", 1)[1].split("\n## ", 1)[0]
+    assert "late starts: 9 of the 800 timed calls of 2 case(s)" in warnings
+    assert f"(most at {evidence.cases[-2].id})" in warnings
+
+
 def test_correctness_summary_names_the_failing_case_and_worst_ratio() -> None:
     evidence = load("cpu_offgrid_fail")
     markdown = render_markdown(evidence)

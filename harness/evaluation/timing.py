@@ -630,9 +630,10 @@ def _cuda_intervals(
     stock's batch-1 samples ranged 151-228 µs per layer, the candidate's 89-122, and one
     capture of 4 x 1024 ran 16% slow.
 
-    A call started late where the host took longer to queue it, from the spin to the call's
-    return, than the GPU took from the spin to the start event: the GPU reached the spin no
-    earlier than the host queued it, so within that time the start could not have fired."""
+    A call is counted as possibly late where the host took longer to queue it (from the lead
+    event before the spin to the call's return) than the GPU took from the lead event to the
+    start. Otherwise it cannot have started late: the GPU reached the lead event no earlier
+    than the host queued it, so the start fired after the call was queued."""
     leads = [torch.cuda.Event(enable_timing=True) for _ in calls]
     starts = [torch.cuda.Event(enable_timing=True) for _ in calls]
     ends = [torch.cuda.Event(enable_timing=True) for _ in calls]

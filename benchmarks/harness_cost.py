@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -115,9 +116,9 @@ def steps_timed(watch: Stopwatch) -> Iterator[None]:
                 wrapped = _then(wrapped, functools.partial(_time_pair_inputs, watch))
             elif name == "watched_replays":
                 wrapped = _then(wrapped, functools.partial(_time_watched, watch))
-            patches.enter_context(_replaced(module, name, wrapped))
+            patches.enter_context(mock.patch.object(module, name, wrapped))
         timed_pairs = watch.wrap("timed pairs (events, poison, copies)", timing.timed_pairs)
-        patches.enter_context(_replaced(timing, "timed_pairs", timed_pairs))
+        patches.enter_context(mock.patch.object(timing, "timed_pairs", timed_pairs))
         yield
 
 
@@ -151,16 +152,6 @@ def _time_watched(watch: Stopwatch, watched: timing.WatchedReplays) -> None:
     watched.against_stock = watch.wrap(
         "near-tie rows for the check against the stock", watched.against_stock
     )
-
-
-@contextlib.contextmanager
-def _replaced(owner: object, name: str, value: object) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def profile_case(path, case: Case, seed: int, stop, device: torch.device, manifest) -> dict:

@@ -12,9 +12,8 @@
 #
 # Call `start` and the first `wait` in the same device call: a machine left idle between calls
 # for more than its idle release (30 s) is taken back, and the run with it (2026-12-04). Run
-# nothing else on the GPU meanwhile: a GPU test started beside quick validate 7 slowed one
-# case's capture by 10-35% and left its claim INCONCLUSIVE (2026-12-07); run tests before
-# `start` or after the last `wait`.
+# nothing else on the GPU meanwhile (timed samples would share it); run tests before `start`
+# or after the last `wait`.
 #
 # To continue in a later session: carry pathgate-out/device-validate/checkpoint.json (the
 # device call's `carry`; `wait` keeps the latest one in $OUT, so a call cut off at its limit

@@ -154,10 +154,13 @@ def _time_watched(watch: Stopwatch, watched: timing.WatchedReplays) -> None:
     )
 
 
-def profile_case(path, case: Case, seed: int, stop, device: torch.device, manifest) -> dict:
+def profile_case(
+    path, case: Case, seed: int, stop, device: torch.device, manifest, lead_cycles: int
+) -> dict:
     watch = Stopwatch(device)
     started = time.perf_counter()
-    with steps_timed(watch):
+    sampling = functools.partial(timing.sample_interleaved, lead_cycles=lead_cycles)
+    with mock.patch.object(engine, "sample_interleaved", sampling), steps_timed(watch):
         performance, stale, timing_ = measure_case(
             path, case, seed, stop, 64 if device.type == "cuda" else 2, device, manifest
         )
@@ -171,6 +174,8 @@ def profile_case(path, case: Case, seed: int, stop, device: torch.device, manife
         "watched_replays": timing_.watched,
         "late_starts": timing_.late_starts,  # of timed_calls (timing._cuda_intervals)
         "timed_calls": timing_.timed_calls,
+        "late_batches": timing_.late_batches,  # not sampled, each doubling the spin
+        "lead_cycles": timing_.lead_cycles,  # the spin the sampling ended with
         "stock_us_median": performance.stock_us_median,
         "candidate_us_median": performance.candidate_us_median,
         # min, 10%, median, 90%, max per layer: how far the samples spread (a GPU that waits
@@ -214,7 +219,11 @@ def print_table(result: dict) -> None:
         f"\n{result['case']}: {result['seconds']:.1f} s, {result['pairs']} pairs, "
         f"{result['layers']} layers ({result['stop_reason']})"
     )
-    print(f"calls that may have started late: {result['late_starts']} of {result['timed_calls']}")
+    print(
+        f"calls that may have started late: {result['late_starts']} of {result['timed_calls']}"
+        f" sampled; batches timed again: {result['late_batches']}, the spin ending at "
+        f"{result['lead_cycles']:,} cycles"
+    )
     for arm in ("stock", "candidate"):
         spread = ", ".join(f"{us:.1f}" for us in result[f"{arm}_us_spread"])
         print(f"{arm} µs per layer, min / 10% / median / 90% / max: {spread}")
@@ -247,10 +256,10 @@ def main(argv: list[str] | None = None) -> None:
         "--lead-cycles",
         type=int,
         default=timing.LEAD_CYCLES,
-        help="the GPU's spin before each timed call (0: none, as before 2026-12-07's fix)",
+        help="the GPU's spin before each timed call at first (0: none and never longer, as "
+        "before 2026-12-07's fix)",
     )
     args = parser.parse_args(argv)
-    timing.LEAD_CYCLES = args.lead_cycles
 
     manifest = load_manifest_file(args.scope)
     path = load_path(manifest)
@@ -271,7 +280,9 @@ def main(argv: list[str] | None = None) -> None:
             gpu=host.gpu,
             config=MappingProxyType(dict(manifest.model.config)),
         )
-        results.append(profile_case(path, case, args.seed, stop, device, manifest))
+        results.append(
+            profile_case(path, case, args.seed, stop, device, manifest, args.lead_cycles)
+        )
         print_table(results[-1])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -538,6 +538,8 @@ def measure_case(
         timed_input_sets=timing.input_sets,
         late_starts=timing.late_starts,
         timed_calls=timing.timed_calls,
+        late_batches=timing.late_batches,
+        lead_cycles=timing.lead_cycles,
     )
     return performance, stale, timing
 

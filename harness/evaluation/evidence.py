@@ -115,6 +115,11 @@ class PerformanceEvidence(Model):
     # host clock; None in evidence from before 2026-12-07's check).
     late_starts: int | None = None
     timed_calls: int | None = None
+    # Batches not sampled because a call may have started late, each doubling the GPU's spin
+    # before a start event, and the spin in cycles the sampling ended with (CUDA; 0 and 0 on
+    # the host clock; None in evidence from before 2026-12-07's re-timing).
+    late_batches: int | None = None
+    lead_cycles: int | None = None
     # Cross-checks that disagree with the event timing: each sends the verdict to review.
     integrity_flags: list[str] = []
 

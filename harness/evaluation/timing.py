@@ -3,9 +3,11 @@
 On CUDA each path is captured once into a CUDA graph holding `layers` calls, each with its own
 weights, inputs and outputs (together more bytes than L2 where memory allows, so no layer is
 served from cache), and the graphs are replayed alternately (A B, B A, ...), each replay between
-two CUDA events. A short spin kernel before each batch of replays lets the host run ahead, so
-launch latency stays out of the events. Per-layer time = replay time / layers. On CPU the same
-loop times eager calls with the host clock; those numbers are not GPU evidence.
+two CUDA events. A spin kernel before each batch of replays lets the host run ahead, and a
+shorter one before each replay's start event keeps its launch out of the events; a batch in
+which a replay may still have started before it was queued is timed again with a longer spin.
+Per-layer time = replay time / layers. On CPU the same loop times eager calls with the host
+clock; those numbers are not GPU evidence.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ from harness.evaluation.plan import derive_seed
 from harness.evaluation.stats import median, speedup_ci95
 
 Tensors = dict[str, torch.Tensor]
+
+# The GPU's spin before each timed call's start event (_cuda_intervals): ~0.25 ms at ~2 GHz,
+# several times the host's launch of a timed graph. GPU time outside the events (20 calls a
+# batch: ~5 ms), charged to neither arm. A batch with a call that may still have started late
+# doubles it, at most LEAD_DOUBLINGS times (sample_interleaved).
+LEAD_CYCLES = 500_000
+LEAD_DOUBLINGS = 4
 
 
 @dataclass(frozen=True)
@@ -70,9 +79,13 @@ class Timing:
     watched: int = 0  # timed candidate replays compared with its eager result (all of them)
     input_sets: int = 0  # the input sets the timed pairs ran on: a new one for every pair
     # Sampled calls whose start event may have fired before the host had queued the call, so
-    # that their interval may hold the graph's launch (_cuda_intervals); of timed_calls.
+    # that their interval may hold the graph's launch (_cuda_intervals); of timed_calls. Only
+    # once the spin has reached its longest: before that such a batch is not sampled
+    # (late_batches) and the spin doubles; lead_cycles is the spin the run ended with.
     late_starts: int = 0
     timed_calls: int = 0
+    late_batches: int = 0
+    lead_cycles: int = 0
     watched_problems: list[str] = field(default_factory=list)  # why those disagreed
 
 
@@ -278,13 +291,14 @@ class RankSync:
     align: returns on every rank at about the same moment. Called before each measured block:
         a rank that starts early would otherwise count its wait for the late one in the first
         collective as its own time.
-    same_pick: from this rank's random draw, the one number every rank gets (the sum of all
-        ranks' draws): every rank checks the same pair against the stock path, whose near-tie
-        rows are found by collectives under decode CP."""
+    rank_sum: the sum of an integer over all ranks, the one number every rank gets: from each
+        rank's random draw, the pair every rank checks against the stock path (whose near-tie
+        rows are found by collectives under decode CP); from each rank's late starts, whether
+        every rank times the batch again."""
 
     layers: Callable[[int], int]
     align: Callable[[], None]
-    same_pick: Callable[[int], int] = field(default=lambda draw: draw)
+    rank_sum: Callable[[int], int] = field(default=lambda number: number)
 
 
 def build_layers(
@@ -356,6 +370,7 @@ def sample_interleaved(
     seed: int,
     sync: RankSync | None = None,
     watched: WatchedReplays | None = None,
+    lead_cycles: int = LEAD_CYCLES,
 ) -> Timing:
     """A B, B A, ... in batches, until the speedup CI is narrow enough or time runs out.
 
@@ -364,9 +379,17 @@ def sample_interleaved(
     first ~10 ms of replays after the checks' set-up ran 5-12% slower (the GPU had idled while a
     graph was captured). On N ranks every batch starts aligned. `watched`: every pair on inputs
     of its own, and the timed replays checked (the warm-up's too).
+
+    `lead_cycles`: the GPU's spin before each call's start event (_cuda_intervals; 0: none).
+    A batch in which a call may have started before the host had queued it (on any rank) is
+    not sampled, and the spin doubles for the batches after it, up to LEAD_DOUBLINGS times;
+    from then on such batches are sampled and their late calls counted. A parameter, not the
+    constant read as the batches run: its default is fixed when this module loads, where the
+    candidate's code cannot change it unseen (integrity watches defaults).
     """
     method = "cuda-graph" if device.type == "cuda" else "cpu-host-clock"
     timing = Timing(method, len(layer_set.args), layer_set.working_set_bytes)
+    longest_lead = lead_cycles << LEAD_DOUBLINGS
     started = time.perf_counter()
     pick = random.SystemRandom()  # os.urandom: no seed the candidate could know or set
     batch = 0
@@ -377,7 +400,7 @@ def sample_interleaved(
             watched.picked = pick.randrange(stop.pairs_per_batch)
         if sync is not None:
             if watched:
-                watched.picked = sync.same_pick(watched.picked) % stop.pairs_per_batch
+                watched.picked = sync.rank_sum(watched.picked) % stop.pairs_per_batch
             sync.align()
         late: list[int] = []
         if watched:
@@ -391,13 +414,24 @@ def sample_interleaved(
                 watched.copy,
                 watched.copy_stock,
                 late,
+                lead_cycles,
             )
             _judge_watched(timing, watched, seeds, batch, capture)
         else:
             new_pairs = timed_pairs(
-                stock[capture], candidate[capture], stop.pairs_per_batch, device, late=late
+                stock[capture],
+                candidate[capture],
+                stop.pairs_per_batch,
+                device,
+                late=late,
+                lead_cycles=lead_cycles,
             )
         batch += 1
+        if 0 < lead_cycles < longest_lead and _late_on_any_rank(late, device, sync):
+            # its times may hold a graph's launch: timed again, the GPU spinning longer
+            timing.late_batches += 1
+            lead_cycles *= 2
+            continue
         if batch <= len(stock):
             continue  # a warm-up batch
         timing.late_starts += sum(late)
@@ -420,7 +454,16 @@ def sample_interleaved(
                     f"speedup CI narrower than {stop.ci_relative_width:.1%} after {pairs} pairs"
                 )
         if timing.stop_reason:
+            timing.lead_cycles = lead_cycles if device.type == "cuda" else 0
             return timing
+
+
+def _late_on_any_rank(late: list[int], device: torch.device, sync: RankSync | None) -> bool:
+    """Whether a call of the batch may have started late here or on a peer rank (the host
+    clock has no such calls). Every rank asks at the same batches: their spins grow together."""
+    if device.type != "cuda":
+        return False
+    return (sync.rank_sum(sum(late)) if sync is not None else sum(late)) > 0
 
 
 def _write_pair(inputs: PairInputs, seeds: list[list[int]], pair: int) -> None:
@@ -572,6 +615,7 @@ def timed_pairs(
     after_b: Callable[[int], None] | None = None,
     after_a: Callable[[int], None] | None = None,
     late: list[int] | None = None,
+    lead_cycles: int = LEAD_CYCLES,
 ) -> list[tuple[float, float]]:
     """`count` (a_us, b_us) pairs, run strictly alternating; odd pairs run b first.
 
@@ -579,7 +623,8 @@ def timed_pairs(
     outputs there), `before_pair(i)` before pair i's first call (the engine writes the pair's
     inputs there), `after_b(i)` and `after_a(i)` after pair i's b and a calls (the engine
     copies their outputs there). `late`, where given, receives the number of calls whose start
-    may have fired before they were queued (_cuda_intervals; 0 on the host clock)."""
+    may have fired before they were queued (_cuda_intervals, after a spin of `lead_cycles`; 0
+    on the host clock)."""
     calls = []
     for i in range(count):
         calls += [a, b] if i % 2 == 0 else [b, a]
@@ -593,8 +638,10 @@ def timed_pairs(
             after[b_index] = [functools.partial(after_b, i)]
         if after_a is not None:
             after[a_index] = [functools.partial(after_a, i)]
-    clock = _cuda_intervals if device.type == "cuda" else _host_intervals
-    times, late_calls = clock(calls, between or _nothing, before, after)
+    if device.type == "cuda":
+        times, late_calls = _cuda_intervals(calls, between or _nothing, before, after, lead_cycles)
+    else:
+        times, late_calls = _host_intervals(calls, between or _nothing, before, after)
     if late is not None:
         late.append(late_calls)
     pairs = []
@@ -608,22 +655,18 @@ def _nothing() -> None:
     return None
 
 
-# ~0.25 ms of spinning at ~2 GHz: several times the host's launch of a timed graph. It is GPU
-# time outside the events (20 calls a batch: ~5 ms), charged to neither arm.
-LEAD_CYCLES = 500_000
-
-
 def _cuda_intervals(
     calls: list[Callable[[], None]],
     between: Callable[[], None],
     before: dict[int, list[Callable[[], None]]],
     after: dict[int, list[Callable[[], None]]],
+    lead_cycles: int,
 ) -> tuple[list[float], int]:
     """Microseconds of each call between its own two CUDA events, all enqueued before one
     synchronize, and how many calls may have started late; `before[index]`, `between` and
     `after[index]` are enqueued outside the events.
 
-    Just before each start event the GPU spins (LEAD_CYCLES), so the call is in the queue when
+    Just before each start event the GPU spins (`lead_cycles`), so the call is in the queue when
     the event fires. Without it, a GPU that had caught up with the host (which draws and writes
     each pair's inputs between the calls) recorded the start while the host was still
     launching the graph, and the interval took in that launch: on an H100 (2026-12-07) the
@@ -645,8 +688,8 @@ def _cuda_intervals(
         between()
         queued = time.perf_counter()  # before the lead event: the GPU reaches it after this
         lead.record()
-        if LEAD_CYCLES:
-            torch.cuda._sleep(LEAD_CYCLES)
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
         start.record()
         call()
         end.record()

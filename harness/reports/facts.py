@@ -336,19 +336,33 @@ def warnings(evidence: Evidence) -> list[str]:
 
 
 def _late_start_warnings(timed: list[CaseEvidence]) -> list[str]:
-    """Timed calls whose interval may hold the host's launch of the graph (timing.
-    _cuda_intervals): such a time is too high, and more so for the path with the larger graph
-    (usually the stock, which flatters the speedup)."""
+    """Batches timed again because a call's interval may have held the host's launch of the
+    graph (timing.sample_interleaved), and sampled calls for which that may still be so: such a
+    time is too high, and more so for the path with the larger graph (usually the stock, which
+    flatters the speedup)."""
+    found = []
+    retimed = [c for c in timed if c.performance and c.performance.late_batches]
+    if retimed:
+        batches = sum(c.performance.late_batches or 0 for c in retimed if c.performance)
+        longest = max((c.performance.lead_cycles or 0) if c.performance else 0 for c in retimed)
+        found.append(
+            f"re-timed batches: {batches} batch(es) of pairs in {len(retimed)} case(s) had a "
+            "call that may have started before the host had queued it; they were not sampled, "
+            f"and the GPU's spin before each timed call grew (to {longest:,} cycles at most): "
+            "the host fell behind the GPU at times."
+        )
     late = [c for c in timed if c.performance and c.performance.late_starts]
     if not late:
-        return []
+        return found
     calls = sum(c.performance.late_starts or 0 for c in late if c.performance)
     total = sum(c.performance.timed_calls or 0 for c in late if c.performance)
     worst = max(late, key=lambda c: (c.performance.late_starts or 0) if c.performance else 0)
     return [
+        *found,
         f"late starts: {calls} of the {total} timed calls of {len(late)} case(s) may have "
-        f"started before the host had queued them (most at {worst.id}), so their times may "
-        "include the graph's launch: the host fell behind the GPU; rerun on a quieter host."
+        f"started before the host had queued them (most at {worst.id}), even after the GPU's "
+        "spin before each call had reached its longest, so their times may include the "
+        "graph's launch: the host fell behind the GPU; rerun on a quieter host.",
     ]
 
 

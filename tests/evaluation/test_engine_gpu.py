@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+from harness.evaluation import timing
 from harness.evaluation.engine import EngineOptions, evaluate
 from harness.evaluation.environment import gpu_kind
 from scopes.manifest import KNOWN_GPUS, ScopeManifest, validate_manifest
@@ -47,8 +48,11 @@ def test_example_scope_on_gpu_is_correct_and_timed_as_graphs() -> None:
         assert perf.watched_replays and perf.timed_input_sets == perf.watched_replays
         assert perf.watched_replays % 10 == 0 and perf.tallied_replays is None
         # every sampled call was checked for a start before it was queued (the count may be
-        # nonzero on a slow host: the report warns then)
+        # nonzero on a slow host: the report warns then); each batch with such a call doubled
+        # the spin before the start events
         assert perf.timed_calls == 2 * len(perf.stock_us) and perf.late_starts is not None
+        assert perf.late_batches is not None and perf.late_batches <= timing.LEAD_DOUBLINGS
+        assert perf.lead_cycles == timing.LEAD_CYCLES << perf.late_batches
         assert perf.candidate_hbm_fraction is not None and 0 < perf.candidate_hbm_fraction < 1.2
         # summed kernel time never exceeds the event time of the same replay by much
         assert perf.candidate_kernel_us_per_layer is not None

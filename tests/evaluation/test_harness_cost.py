@@ -47,6 +47,7 @@ def test_each_step_of_a_case_is_counted_and_timed(tmp_path: Path) -> None:
     steps = {row["step"]: row for row in case["steps"]}
     assert case["case"].startswith("batch=8 context=40") and case["stale"] == []
     assert case["watched_replays"] >= case["pairs"] >= 4  # a warm-up batch is checked, not kept
+    assert (case["lead_cycles"], case["late_batches"], case["late_starts"]) == (0, 0, 0)  # host
     # at least one draw per pair and layer, each routed by the stock (the 32 anchor draws a
     # layer are the anchoring step's, counted there)
     routed = steps["their routing checked (floor_bytes)"]["calls"]

@@ -13,8 +13,12 @@ from harness.evaluation.timing import (
     LAUNCH_ALLOWANCE_US,
     SPAN_RATIO_LIMIT,
     WALL_RATIO_LIMIT,
+    LayerSet,
+    RankSync,
+    StopRule,
     Timing,
     cross_check_flags,
+    sample_interleaved,
     speedup_interval,
     timed_pairs,
 )
@@ -80,6 +84,7 @@ def test_the_gpu_spins_before_each_start_event_outside_the_intervals(
         lambda: log.append("poison"),
         {0: [lambda: log.append("write pair 0")]},
         {1: [lambda: log.append("copy b")]},
+        timing.LEAD_CYCLES,
     )
     lead = f"spin {timing.LEAD_CYCLES}"
     assert timing.LEAD_CYCLES > 0 and times == [500.0, 500.0] and late == 0
@@ -100,13 +105,100 @@ def test_a_call_the_host_queued_slower_than_the_gpu_spun_is_counted_late(
     _fake_cuda(monkeypatch, 4, elapsed_ms=0.5)
     slow, log = _sleeps(0.004, [], "slow"), []
     _, late = timing._cuda_intervals(
-        [slow, _sleeps(0, log, "quick"), _sleeps(0, log, "quick"), slow], lambda: None, {}, {}
+        [slow, _sleeps(0, log, "quick"), _sleeps(0, log, "quick"), slow], lambda: None, {}, {}, 1
     )
     assert late == 2
     counted: list[int] = []
     _fake_cuda(monkeypatch, 4, elapsed_ms=0.5)
     timed_pairs(slow, _sleeps(0, log, "quick"), 2, torch.device("cuda"), late=counted)
     assert counted == [2]  # each pair has one slow call
+
+
+class _SpinningGpu:
+    """torch.cuda faked as a GPU that has caught up with the host: from each lead event to its
+    start event it takes exactly the spin enqueued between them (1 ns a cycle), and every call
+    takes 100 µs between its own events."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.spins: list[int] = []
+        self.recorded: list[_SpinningGpu.Event] = []
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool):
+                self.spin_ms = 0.1  # a start event's interval to its end: the call
+
+            def record(self) -> None:
+                gpu.recorded.append(self)
+
+            def elapsed_time(self, end: object) -> float:
+                return self.spin_ms
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", self.spin)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def spin(self, cycles: int) -> None:
+        if self.recorded:  # the lead event just recorded (the batch's first spin has none)
+            self.recorded[-1].spin_ms = cycles / 1e6
+        self.spins.append(cycles)
+
+
+def _sample(
+    host_ms: float, lead_cycles: int, sync: RankSync | None = None
+) -> tuple[Timing, list[int]]:
+    """sample_interleaved on the fake GPU, both arms holding the host `host_ms` per call."""
+    stop = StopRule(min_pairs=4, max_pairs=4, pairs_per_batch=2, captures=1)
+    layer_set = LayerSet([({}, {}, {})], 0)
+    arm = _sleeps(host_ms / 1000, [], "arm")
+    cuda = torch.device("cuda")
+    timing_ = sample_interleaved([arm], [arm], layer_set, cuda, stop, 1, sync, None, lead_cycles)
+    return timing_, timing_.stock_us
+
+
+def test_a_batch_with_a_late_start_is_timed_again_with_a_longer_spin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call that keeps the host 0.7 ms is queued after a 0.5 ms spin ended, and before a
+    1 ms one did: the first batch is not sampled, the spin doubles, and every sampled call
+    started after it was queued."""
+    gpu = _SpinningGpu(monkeypatch)
+    timing_, stock_us = _sample(host_ms=0.7, lead_cycles=500_000)
+    assert (timing_.late_batches, timing_.lead_cycles, timing_.late_starts) == (1, 1_000_000, 0)
+    assert timing_.timed_calls == 8 and stock_us == [100.0] * 4
+    # the warm-up batch (late), then two sampled; each batch: 1 ms of spin up front, 4 calls
+    leads = [cycles for cycles in gpu.spins if cycles != 2_000_000]
+    assert leads == [500_000] * 4 + [1_000_000] * 8
+
+
+def test_the_spin_grows_at_most_four_times_then_late_calls_are_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _SpinningGpu(monkeypatch)
+    timing_, _ = _sample(host_ms=9.0, lead_cycles=500_000)  # later than 16 x 0.5 ms
+    assert timing.LEAD_DOUBLINGS == 4
+    assert (timing_.late_batches, timing_.lead_cycles) == (4, 8_000_000)
+    assert (timing_.late_starts, timing_.timed_calls) == (8, 8)
+
+
+def test_without_a_spin_nothing_is_timed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lead_cycles 0 (harness_cost.py's comparison without the spin): late calls are counted,
+    the batches sampled as they came."""
+    _SpinningGpu(monkeypatch)
+    timing_, _ = _sample(host_ms=0.2, lead_cycles=0)
+    assert (timing_.late_batches, timing_.lead_cycles, timing_.late_starts) == (0, 0, 8)
+
+
+def test_every_rank_times_a_batch_again_when_one_rank_started_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """This rank had no late start; a peer had (the ranks' sum says 1 for the first batch):
+    both must drop it, or their fixed pair schedules would part."""
+    _SpinningGpu(monkeypatch)
+    sums = iter([1])
+    sync = RankSync(layers=lambda n: n, align=lambda: None, rank_sum=lambda n: n + next(sums, 0))
+    timing_, _ = _sample(host_ms=0.0, lead_cycles=500_000, sync=sync)
+    assert (timing_.late_batches, timing_.lead_cycles, timing_.late_starts) == (1, 1_000_000, 0)
 
 
 def test_the_capture_spread_widens_the_interval() -> None:

@@ -423,7 +423,7 @@ def test_on_ranks_every_rank_checks_the_pair_they_agreed_on_against_the_stock() 
     watched = _watched(stock.forward, layer_set, exact=True)
     copy_stock = watched.copy_stock
     watched.copy_stock = lambda pair: (log.append(f"s{pair}"), copy_stock(pair))  # type: ignore[method-assign,func-returns-value]
-    sync = RankSync(layers=lambda n: n, align=lambda: None, same_pick=lambda d: 7)
+    sync = RankSync(layers=lambda n: n, align=lambda: None, rank_sum=lambda d: 7)
     timing = _timed_beside_the_stock(stock.forward, layer_set, watched, sync)
     assert timing.watched_problems == [] and watched.picked == 1
     assert log == ["s0", "s1", "s2"] * 3  # every pair's stock call is offered; pair 1 is kept

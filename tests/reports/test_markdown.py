@@ -111,6 +111,23 @@ def test_timed_calls_that_may_have_started_late_are_warned_about() -> None:
     warnings = render_markdown(evidence).split("## Warnings", 1)[1].split("\n## ", 1)[0]
     assert "late starts: 9 of the 800 timed calls of 2 case(s)" in warnings
     assert f"(most at {evidence.cases[-2].id})" in warnings
+    assert "re-timed batches" not in warnings
+
+
+def test_batches_timed_again_for_a_late_start_are_reported() -> None:
+    evidence = load("h200_rmsnorm")
+    assert "re-timed batches" not in render_markdown(evidence)
+    for index, (batches, lead) in zip((-1, -3), ((1, 1_000_000), (2, 2_000_000)), strict=True):
+        case = evidence.cases[index]
+        assert case.performance is not None
+        update = {"late_batches": batches, "lead_cycles": lead, "late_starts": 0}
+        evidence.cases[index] = case.model_copy(
+            update={"performance": case.performance.model_copy(update=update)}
+        )
+    warnings = render_markdown(evidence).split("## Warnings", 1)[1].split("\n## ", 1)[0]
+    assert "re-timed batches: 3 batch(es) of pairs in 2 case(s)" in warnings
+    assert "(to 2,000,000 cycles at most)" in warnings
+    assert "late starts:" not in warnings  # none left once the spin had grown
 
 
 def test_correctness_summary_names_the_failing_case_and_worst_ratio() -> None:

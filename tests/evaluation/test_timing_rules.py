@@ -181,6 +181,21 @@ def test_the_spin_grows_at_most_four_times_then_late_calls_are_counted(
     assert (timing_.late_starts, timing_.timed_calls) == (8, 8)
 
 
+def test_a_candidate_that_zeroes_the_constant_while_timed_does_not_shorten_the_spin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LEAD_CYCLES set to 0 after the harness loaded (by code the candidate runs between
+    batches, say, and restored before the integrity check): the spin is the default fixed at
+    import, not the constant as it is when the batches run."""
+    gpu = _SpinningGpu(monkeypatch)
+    monkeypatch.setattr(timing, "LEAD_CYCLES", 0)
+    stop = StopRule(min_pairs=4, max_pairs=4, pairs_per_batch=2, captures=1)
+    arm = _sleeps(0, [], "arm")
+    cuda = torch.device("cuda")
+    timing_ = sample_interleaved([arm], [arm], LayerSet([({}, {}, {})], 0), cuda, stop, 1)
+    assert timing_.lead_cycles == 500_000 and set(gpu.spins) == {2_000_000, 500_000}
+
+
 def test_without_a_spin_nothing_is_timed_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """lead_cycles 0 (harness_cost.py's comparison without the spin): late calls are counted,
     the batches sampled as they came."""

@@ -116,10 +116,12 @@ def test_a_call_the_host_queued_slower_than_the_gpu_spun_is_counted_late(
 
 class _SpinningGpu:
     """torch.cuda faked as a GPU that has caught up with the host: from each lead event to its
-    start event it takes exactly the spin enqueued between them (1 ns a cycle), and every call
-    takes 100 µs between its own events."""
+    start event it takes exactly the spin enqueued between them (`ns_per_cycle`: 10 makes
+    500,000 cycles 5 ms, a margin no busy test host's own delays reach), and every call takes
+    100 µs between its own events."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, ns_per_cycle: int = 10):
+        self.ns_per_cycle = ns_per_cycle
         self.spins: list[int] = []
         self.recorded: list[_SpinningGpu.Event] = []
         gpu = self
@@ -140,7 +142,7 @@ class _SpinningGpu:
 
     def spin(self, cycles: int) -> None:
         if self.recorded:  # the lead event just recorded (the batch's first spin has none)
-            self.recorded[-1].spin_ms = cycles / 1e6
+            self.recorded[-1].spin_ms = cycles * self.ns_per_cycle / 1e6
         self.spins.append(cycles)
 
 
@@ -159,11 +161,11 @@ def _sample(
 def test_a_batch_with_a_late_start_is_timed_again_with_a_longer_spin(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A call that keeps the host 0.7 ms is queued after a 0.5 ms spin ended, and before a
-    1 ms one did: the first batch is not sampled, the spin doubles, and every sampled call
-    started after it was queued."""
+    """A call that keeps the host 7 ms is queued after a 5 ms spin ended, and before a 10 ms
+    one did: the first batch is not sampled, the spin doubles, and every sampled call started
+    after it was queued."""
     gpu = _SpinningGpu(monkeypatch)
-    timing_, stock_us = _sample(host_ms=0.7, lead_cycles=500_000)
+    timing_, stock_us = _sample(host_ms=7.0, lead_cycles=500_000)
     assert (timing_.late_batches, timing_.lead_cycles, timing_.late_starts) == (1, 1_000_000, 0)
     assert timing_.timed_calls == 8 and stock_us == [100.0] * 4
     # the warm-up batch (late), then two sampled; each batch: 1 ms of spin up front, 4 calls
@@ -174,7 +176,7 @@ def test_a_batch_with_a_late_start_is_timed_again_with_a_longer_spin(
 def test_the_spin_grows_at_most_four_times_then_late_calls_are_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _SpinningGpu(monkeypatch)
+    _SpinningGpu(monkeypatch, ns_per_cycle=1)
     timing_, _ = _sample(host_ms=9.0, lead_cycles=500_000)  # later than 16 x 0.5 ms
     assert timing.LEAD_DOUBLINGS == 4
     assert (timing_.late_batches, timing_.lead_cycles) == (4, 8_000_000)

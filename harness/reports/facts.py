@@ -352,18 +352,17 @@ def _late_start_warnings(timed: list[CaseEvidence]) -> list[str]:
             "the host fell behind the GPU at times."
         )
     late = [c for c in timed if c.performance and c.performance.late_starts]
-    if not late:
-        return found
-    calls = sum(c.performance.late_starts or 0 for c in late if c.performance)
-    total = sum(c.performance.timed_calls or 0 for c in late if c.performance)
-    worst = max(late, key=lambda c: (c.performance.late_starts or 0) if c.performance else 0)
-    return [
-        *found,
-        f"late starts: {calls} of the {total} timed calls of {len(late)} case(s) may have "
-        f"started before the host had queued them (most at {worst.id}), even after the GPU's "
-        "spin before each call had reached its longest, so their times may include the "
-        "graph's launch: the host fell behind the GPU; rerun on a quieter host.",
-    ]
+    if late:
+        calls = sum(c.performance.late_starts or 0 for c in late if c.performance)
+        total = sum(c.performance.timed_calls or 0 for c in late if c.performance)
+        worst = max(late, key=lambda c: (c.performance.late_starts or 0) if c.performance else 0)
+        found.append(
+            f"late starts: {calls} of the {total} timed calls of {len(late)} case(s) may have "
+            f"started before the host had queued them (most at {worst.id}), even after the "
+            "GPU's spin before each call had reached its longest, so their times may include "
+            "the graph's launch: the host fell behind the GPU; rerun on a quieter host."
+        )
+    return found
 
 
 def _hbm_warnings(timed: list[CaseEvidence]) -> list[str]:

@@ -147,14 +147,15 @@ class _SpinningGpu:
 
 
 def _sample(
-    host_ms: float, lead_cycles: int, sync: RankSync | None = None
+    host_ms: float, sync: RankSync | None = None, **lead_cycles: int
 ) -> tuple[Timing, list[int]]:
-    """sample_interleaved on the fake GPU, both arms holding the host `host_ms` per call."""
+    """sample_interleaved on the fake GPU, both arms holding the host `host_ms` per call;
+    `lead_cycles=N` where given, else its default."""
     stop = StopRule(min_pairs=4, max_pairs=4, pairs_per_batch=2, captures=1)
     layer_set = LayerSet([({}, {}, {})], 0)
     arm = _sleeps(host_ms / 1000, [], "arm")
     cuda = torch.device("cuda")
-    timing_ = sample_interleaved([arm], [arm], layer_set, cuda, stop, 1, sync, None, lead_cycles)
+    timing_ = sample_interleaved([arm], [arm], layer_set, cuda, stop, 1, sync, None, **lead_cycles)
     return timing_, timing_.stock_us
 
 
@@ -191,10 +192,7 @@ def test_a_candidate_that_zeroes_the_constant_while_timed_does_not_shorten_the_s
     import, not the constant as it is when the batches run."""
     gpu = _SpinningGpu(monkeypatch)
     monkeypatch.setattr(timing, "LEAD_CYCLES", 0)
-    stop = StopRule(min_pairs=4, max_pairs=4, pairs_per_batch=2, captures=1)
-    arm = _sleeps(0, [], "arm")
-    cuda = torch.device("cuda")
-    timing_ = sample_interleaved([arm], [arm], LayerSet([({}, {}, {})], 0), cuda, stop, 1)
+    timing_, _ = _sample(host_ms=0.0)
     assert timing_.lead_cycles == 500_000 and set(gpu.spins) == {2_000_000, 500_000}
 
 

@@ -1351,6 +1351,10 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | None]] = {
     # the query), or not (the plan: absorbed above batch 4); not the same bits. The 2026-12-06
     # sweep ran it as "query absorbed"
     "query absorbed the other way": ("absorb_q", None),
+    # the router folded through the post-attention norm: its GEMV in o_proj's launch, the
+    # routing in the norm kernel (10 kernels above batch 4, 12 below); not the same bits: the
+    # logits no longer round the norm's output first
+    "router in o_proj": ("router_in_o_proj", True),
 }
 
 

@@ -13,7 +13,8 @@ Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compil
 
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
         [--moe plan|run18|run19] [--gemv plan|triton|cute] [--fold-latent-prep]
-        [--absorb-q plan|on|off] [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
+        [--absorb-q plan|on|off] [--router-in-o-proj]
+        [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
 Triton (CI: 3.9), not necessarily the device's (3.6): a clean compile here is evidence, not
@@ -303,6 +304,7 @@ def compile_layer(
     gemv: str = "plan",
     fold_latent_prep: bool = False,
     absorb_q: str = "plan",
+    router_in_o_proj: bool = False,
 ) -> list[Compiled]:
     plan = fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS)
     if moe in ("run18", "run19"):
@@ -311,7 +313,10 @@ def compile_layer(
         plan = (run18_moe_plan if moe == "run18" else run19_moe_plan)(plan, batch)
     gemv_cute = plan.gemv_cute if gemv == "plan" else gemv == "cute"
     absorbed = plan.absorb_q if absorb_q == "plan" else absorb_q == "on"
-    plan = replace(plan, gemv_cute=gemv_cute, fold_latent_prep=fold_latent_prep, absorb_q=absorbed)
+    plan = replace(
+        plan, gemv_cute=gemv_cute, fold_latent_prep=fold_latent_prep, absorb_q=absorbed,
+        router_in_o_proj=router_in_o_proj,
+    )  # fmt: skip
     launches = layer_launches(batch, context, plan)
     case_dir = ptx_dir and ptx_dir / f"{batch}x{context}"
     return [
@@ -362,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         "as the plan has it (above batch 4), or on or off at every batch",
     )
     parser.add_argument(
+        "--router-in-o-proj",
+        action="store_true",
+        help="the router folded through the post-attention norm (LayerPlan.router_in_o_proj): "
+        "its GEMV in o_proj's launch, the routing in the norm kernel, two kernels fewer",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/sm90_compile.json")
     )
     parser.add_argument(
@@ -381,7 +392,14 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches
         for context in args.contexts
         for row in compile_layer(
-            batch, context, args.moe, args.ptx, args.gemv, args.fold_latent_prep, args.absorb_q
+            batch,
+            context,
+            args.moe,
+            args.ptx,
+            args.gemv,
+            args.fold_latent_prep,
+            args.absorb_q,
+            args.router_in_o_proj,
         )
     ]
     print_table(rows)
@@ -391,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "gemv": args.gemv,
         "fold_latent_prep": args.fold_latent_prep,
         "absorb_q": args.absorb_q,
+        "router_in_o_proj": args.router_in_o_proj,
         "triton": triton.__version__,
         "torch": torch.__version__,
         "launches": [asdict(row) for row in rows],

@@ -26,7 +26,11 @@ measured slower. Above batch 4 kernels 13 and 14 are one kernel (triton_moe's
 _moe_stream_kernel, MoeBlocks.stream_programs): the same items, claimed in turn, each down
 item waiting for its expert's gate_up items; and kernels 4 and 5 are one GEMV over the query
 weight with W_UK absorbed (LayerPlan.absorb_q, triton_attention.absorbed_q_weights), whose
-sums the split attention kernel finishes: 12 kernels per layer there.
+sums the split attention kernel finishes: 12 kernels per layer there. Kernels 11 and 12 also
+exist folded into 9 and 10 (LayerPlan.router_in_o_proj, off: not yet measured): the norm
+scales each row by one number, so the router's logits before it are a GEMV over o_proj's input
+and the layer's residual sum, run as more programs of o_proj's launch, and the norm kernel,
+which finds the rms, divides and routes.
 
 Every weight byte is read once (the experts only where some token chose them, decided on the
 device from the routing table), nothing synchronizes with the host, and no sum depends on the
@@ -51,7 +55,7 @@ collective, and the copies that pack and unpack what it gathers.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
 import torch
@@ -73,11 +77,16 @@ from kernels.mla_moe_decode.triton_attention import (
     q_b_folded,
     w_uv,
 )
-from kernels.mla_moe_decode.triton_common import k_splits, on_gpu
-from kernels.mla_moe_decode.triton_gemv import GemvBlocks, gemv_blocks, splitk_gemv
+from kernels.mla_moe_decode.triton_common import derived_weight, k_splits, on_gpu
+from kernels.mla_moe_decode.triton_gemv import (
+    GemvBlocks,
+    gemv_blocks,
+    splitk_gemv,
+    splitk_gemv_pair,
+)
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe
 from kernels.mla_moe_decode.triton_moe import route as route_experts
-from kernels.mla_moe_decode.triton_norm import add_rmsnorm
+from kernels.mla_moe_decode.triton_norm import add_rmsnorm, add_rmsnorm_route
 
 Tensors = dict[str, torch.Tensor]
 MAX_BATCH = 64
@@ -229,6 +238,7 @@ class LayerPlan:
     o_proj: GemvBlocks
     router: GemvBlocks
     q_lat: GemvBlocks  # the absorbed query's GEMV (absorb_q): one K split, q_lat_blocks
+    folded_router: GemvBlocks  # the router's part of o_proj's launch (router_in_o_proj)
     attention: AttentionBlocks
     moe: MoeBlocks
     # warps per program of the row-wise kernels, as first built (the 2026-12-04 sweeps in
@@ -251,6 +261,11 @@ class LayerPlan:
     # batch 4. Single-GPU only (the decode-CP path keeps q_absorb); fold_latent_prep, which folds
     # kernel 3 into q_b's GEMV, applies only without it
     absorb_q: bool = False
+    # the router folded through the post-attention norm (triton_norm.add_rmsnorm_route): its
+    # logits before the norm as more programs of o_proj's launch (the Triton GEMV pair, also
+    # where gemv_cute is on), the routing done by the norm kernel, kernels 11 and 12 gone. Built
+    # 2026-12-07 without a GPU; not yet measured, so off
+    router_in_o_proj: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -276,6 +291,7 @@ def layer_plan(
         # cheapest (H100, 2026-12-06, docs/runs/2026-12-06-absorbed-query/)
         absorb_q=on_gpu and batch > 4,
         q_lat=q_lat_blocks(c, batch, on_gpu),
+        folded_router=folded_router_blocks(c, gemvs["o_proj"]),
     )
 
 
@@ -292,6 +308,27 @@ def q_lat_blocks(c: LayerConfig, batch: int, on_gpu: bool) -> GemvBlocks:
         block_n, block_k, stages = min(64, triton.next_power_of_2(n)), 64, 1
     k_per_split, splits = k_splits(k, 1, block_k)
     return GemvBlocks(block_m, block_n, block_k, k_per_split, splits, 4, stages)
+
+
+def folded_router_blocks(c: LayerConfig, o_proj: GemvBlocks) -> GemvBlocks:
+    """The router's part of o_proj's launch (router_in_o_proj): o_proj's tiles (one launch
+    shares them) over K = H*V + hidden, in splits as long as o_proj's, so that each of its
+    programs streams as much weight as one of o_proj's (96 programs of 64 KB on the real shard
+    up to batch 16)."""
+    k = c.heads * c.v_head_dim + c.hidden
+    k_per_split, splits = k_splits(k, triton.cdiv(k, o_proj.k_per_split), o_proj.block_k)
+    return replace(o_proj, k_per_split=k_per_split, splits=splits)
+
+
+def folded_router_weight(
+    gate: torch.Tensor, norm_weight: torch.Tensor, o_proj: torch.Tensor
+) -> torch.Tensor:
+    """The router folded through the post-attention norm's weight and o_proj: (E_total, H*V +
+    hidden) bf16 = [(gate * norm_weight) @ o_proj | gate * norm_weight], multiplied in float64
+    and rounded once. [o | x + residual] @ it.T is (gate * norm_weight) @ (o @ o_proj.T + x +
+    residual): the router logits times the rms of the sum the norm normalizes."""
+    through_norm = gate.double() * norm_weight.double()
+    return torch.cat([through_norm @ o_proj.double(), through_norm], dim=1).to(gate.dtype)
 
 
 def gemv_shapes(c: LayerConfig) -> dict[str, tuple[int, int]]:
@@ -460,11 +497,12 @@ def _attention_and_routing(
     batch, eps = x.shape[0], c.rms_norm_eps
     plan = _plan(c, x, cache.shape[1])
     turns = rope_turns(x.device, c.qk_rope_head_dim, c.rope_theta)
-    hidden, unused_residual = torch.empty_like(x), torch.empty_like(x)
-    # Kernel 1's bf16 residual sum is not read: the post-attention norm adds x and residual
-    # again in fp32, as the compiled stock path does. A buffer of its own, not residual_out,
-    # which a caller may alias with `residual` (vLLM updates the residual in place).
-    input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, unused_residual, eps)
+    hidden, input_sum = torch.empty_like(x), torch.empty_like(x)
+    # Kernel 1's bf16 sum of x and residual is read only by the folded router
+    # (router_in_o_proj): the post-attention norm adds x and residual again in fp32, as the
+    # compiled stock path does. A buffer of its own, not residual_out, which a caller may alias
+    # with `residual` (vLLM updates the residual in place).
+    input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, input_sum, eps)
     qkv_a = dense_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a, plan)
     norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
     deferred = None
@@ -496,17 +534,40 @@ def _attention_and_routing(
         mla_attention_cp(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, group)
     o = x.new_empty(batch, c.heads * v_dim)
     w_uv(o_lat, w["kv_b_proj"], o, nope, plan.attention)
-    attn = dense_gemv(o, w["o_proj"], plan.o_proj, plan)
+    return _o_proj_and_routing(c, w, plan, o, inputs, input_sum, out)
+
+
+def _o_proj_and_routing(
+    c: LayerConfig,
+    w: Tensors,
+    plan: LayerPlan,
+    o: torch.Tensor,
+    inputs: Tensors,
+    input_sum: torch.Tensor,
+    out: Tensors,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernels 9-12 (9 and 10 with router_in_o_proj): o_proj, the post-attention add + RMSNorm
+    (writes out["residual_out"]), the router and the routing; returns as
+    _attention_and_routing."""
+    x, eps = inputs["x"], c.rms_norm_eps
     moe_in = torch.empty_like(x)
     residuals = (x, inputs["residual"])
     norm = w["post_attention_layernorm"]
+    rule = (w["e_score_correction_bias"], c.top_k, c.norm_topk_prob, c.routed_scaling_factor)
+    if plan.router_in_o_proj:
+        folded = derived_weight(folded_router_weight, (w["gate"], norm, w["o_proj"]))
+        attn, before_norm = splitk_gemv_pair(
+            o, w["o_proj"], plan.o_proj, input_sum, folded, plan.folded_router
+        )
+        ids, routing = add_rmsnorm_route(
+            attn, residuals, norm, out["residual_out"], moe_in, eps, before_norm, *rule,
+            plan.norm_warps, plan.route_weights_in_loop,
+        )  # fmt: skip
+        return moe_in, ids, routing
+    attn = dense_gemv(o, w["o_proj"], plan.o_proj, plan)
     add_rmsnorm(attn, residuals, norm, out["residual_out"], moe_in, eps, plan.norm_warps)
-    bias, scaling = w["e_score_correction_bias"], c.routed_scaling_factor
     logits = dense_gemv(moe_in, w["gate"], plan.router, plan)
-    ids, routing = route_experts(
-        logits, bias, c.top_k, c.norm_topk_prob, scaling,
-        plan.route_warps, plan.route_weights_in_loop,
-    )  # fmt: skip
+    ids, routing = route_experts(logits, *rule, plan.route_warps, plan.route_weights_in_loop)
     return moe_in, ids, routing
 
 

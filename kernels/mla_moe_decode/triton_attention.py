@@ -25,9 +25,7 @@ log2(e) folded into the scale. RoPE angles are reduced in fp64 (triton_common.ro
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.mla_moe_decode.triton_common import (
+    derived_weight,
     mma,
     on_gpu,
     pdl_options,
@@ -737,32 +736,12 @@ def absorbed_q_weight(
     return torch.cat([latent, q_b[:, nope:]], dim=1).to(q_b_proj.dtype).reshape(-1, q_lora)
 
 
-_absorbed: dict[tuple[int, int], tuple[Any, Any, tuple[int, int], torch.Tensor]] = {}
-
-
 def absorbed_q_weights(
     q_b_proj: torch.Tensor, kv_b_proj: torch.Tensor, heads: int, nope: int, v_dim: int
 ) -> torch.Tensor:
-    """absorbed_q_weight, computed once per pair of weight tensors (and again if either is
-    written in place) and kept while both live. The first call for a layer's weights must come
-    before a CUDA-graph capture (the warm-up), as for the MoE's counters."""
-    key = (id(q_b_proj), id(kv_b_proj))
-    versions = (q_b_proj._version, kv_b_proj._version)
-    cached = _absorbed.get(key)
-    if cached is not None:
-        q_ref, kv_ref, cached_versions, weight = cached
-        if q_ref() is q_b_proj and kv_ref() is kv_b_proj and cached_versions == versions:
-            return weight
-    if q_b_proj.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("absorbed query weights: run the layer once before capturing a graph")
-    weight = absorbed_q_weight(q_b_proj, kv_b_proj, heads, nope, v_dim)
-
-    def forget(_: object) -> None:  # either weight freed: its id may name another tensor
-        _absorbed.pop(key, None)
-
-    _absorbed[key] = (weakref.ref(q_b_proj, forget), weakref.ref(kv_b_proj, forget), versions,
-                      weight)  # fmt: skip
-    return weight
+    """absorbed_q_weight, computed once per pair of weight tensors (triton_common.derived_weight:
+    again if either is written in place, kept while both live)."""
+    return derived_weight(absorbed_q_weight, (q_b_proj, kv_b_proj), heads, nope, v_dim)
 
 
 # torch 2.13 renamed it (the old name warns); the GPU machines run torch 2.11

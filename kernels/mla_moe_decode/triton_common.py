@@ -13,6 +13,8 @@
   exact in fp32, so the result is the same class of number (fp32 accumulation of exact products).
 - `sum_splits`: the deterministic reduction of split-K partial sums, in split order.
 - `rms_normalize`, `rotate_pairs`: the stock path's RMSNorm and GPT-J RoPE.
+- `derived_weight` (host side): a weight computed from the layer's weights (the absorbed query,
+  the router folded through the post-attention norm), computed once per weights.
 - `on_gpu`, `rows_per_program` (host side): whether a tensor gets the GPU's decisions; how
   many token rows the row-wise kernels give a program.
 - `dependent_launch`, `pdl_options` (host side), `wait_for_previous_kernel`, `prefetch_l2`:
@@ -28,6 +30,10 @@
 """
 
 from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -82,8 +88,14 @@ def sum_splits(ptr, offsets, mask, N_SPLITS: tl.constexpr, split_stride):
 def rms_normalize(x, n, eps, weight):
     """x (..., BLOCK) fp32 with masked lanes 0, weight (BLOCK,) fp32 -> bf16 rmsnorm(x) * weight
     over the last axis, rounded once (see ROUNDING in the module docstring)."""
+    return round_bf16(x * inverse_rms(x, n, eps) * weight)
+
+
+@triton.jit
+def inverse_rms(x, n, eps):
+    """x (..., BLOCK) fp32 with masked lanes 0 -> 1 / sqrt(mean(x^2) + eps), (..., 1)."""
     mean_square = tl.sum(x * x, axis=-1, keep_dims=True) / n
-    return round_bf16(x * tl.rsqrt(mean_square + eps) * weight)
+    return tl.rsqrt(mean_square + eps)
 
 
 @triton.jit
@@ -106,6 +118,34 @@ def k_splits(k: int, wanted: int, block_k: int) -> tuple[int, int]:
     number of splits that gives)."""
     k_per_split = triton.cdiv(triton.cdiv(k, wanted), block_k) * block_k
     return k_per_split, triton.cdiv(k, k_per_split)
+
+
+_derived: dict[tuple[object, ...], tuple[list[Any], tuple[int, ...], torch.Tensor]] = {}
+
+
+def derived_weight(
+    compute: Callable[..., torch.Tensor], weights: tuple[torch.Tensor, ...], *params: object
+) -> torch.Tensor:
+    """compute(*weights, *params), computed once per tuple of weight tensors (again if any of
+    them is written in place) and kept while they all live. The first call for a layer's weights
+    must come before a CUDA-graph capture (the warm-up), as for the MoE's counters."""
+    key = (compute, params, *map(id, weights))
+    versions = tuple(w._version for w in weights)
+    cached = _derived.get(key)
+    if cached is not None:
+        refs, cached_versions, value = cached
+        alive = all(ref() is w for ref, w in zip(refs, weights, strict=True))
+        if alive and cached_versions == versions:
+            return value
+    if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{compute.__name__}: run the layer once before capturing a graph")
+    value = compute(*weights, *params)
+
+    def forget(_: object) -> None:  # a weight freed: its id may name another tensor
+        _derived.pop(key, None)
+
+    _derived[key] = ([weakref.ref(w, forget) for w in weights], versions, value)
+    return value
 
 
 def on_gpu(t: torch.Tensor) -> bool:

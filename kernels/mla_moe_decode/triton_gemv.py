@@ -16,10 +16,15 @@ writes, stream in while the previous kernel finishes.
 The partial sums are not added here: the next kernel (a norm, the q absorption, the routing)
 adds the splits in order while it reads its input. That keeps the result deterministic with no
 atomics and no extra launch.
+
+`splitk_gemv_pair` runs two GEMVs in one grid, the second over its input's first part (the
+first's input) and a second part: the layer's o_proj and, with the router folded through the
+post-attention norm (fused.LayerPlan.router_in_o_proj), the router's logits before the norm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -97,8 +102,81 @@ def _splitk_gemv_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    column_block = tl.program_id(0)
-    split = tl.program_id(1)
+    _gemv_tile(
+        x_ptr, x_ptr, w_ptr, part_ptr, M, N, K, K, stride_xm, stride_xm, k_per_split,
+        tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PDL, PREFETCH,
+        False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gemv_pair_kernel(
+    x_ptr,  # (M, K1) bf16, row stride stride_xm: the first GEMV's input, the second's first part
+    extra_ptr,  # (M, K2 - K1) bf16, row stride stride_em: the second's other part
+    w_ptr,  # (N1, K1) bf16
+    w2_ptr,  # (N2, K2) bf16
+    part_ptr,  # (splits, M, N1) fp32
+    part2_ptr,  # (splits2, M, N2) fp32
+    M,
+    N1,
+    K1,
+    N2,
+    K2,
+    stride_xm,
+    stride_em,
+    k_per_split,
+    k2_per_split,
+    column_blocks,  # the first GEMV's; its programs come first
+    column_blocks2,
+    splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    program = tl.program_id(0)
+    first_programs = column_blocks * splits
+    if program < first_programs:
+        _gemv_tile(
+            x_ptr, x_ptr, w_ptr, part_ptr, M, N1, K1, K1, stride_xm, stride_xm, k_per_split,
+            program % column_blocks, program // column_blocks,
+            BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PDL, PREFETCH, False,
+        )  # fmt: skip
+    else:
+        program -= first_programs
+        _gemv_tile(
+            x_ptr, extra_ptr, w2_ptr, part2_ptr, M, N2, K2, K1, stride_xm, stride_em,
+            k2_per_split, program % column_blocks2, program // column_blocks2,
+            BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PDL, PREFETCH, True,
+        )  # fmt: skip
+
+
+@triton.jit
+def _gemv_tile(
+    x_ptr,  # columns [0, K_FIRST) of the input
+    x2_ptr,  # columns [K_FIRST, K) of the input, read when TWO_PARTS
+    w_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    K_FIRST,
+    stride_xm,
+    stride_x2m,
+    k_per_split,
+    column_block,
+    split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    TWO_PARTS: tl.constexpr,  # the input's columns from K_FIRST on come from x2_ptr
+):
+    """One program's (BLOCK_M, BLOCK_N) tile of one K split; see the module docstring."""
     rows = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     cols = column_block * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_mask = rows < M
@@ -116,9 +194,15 @@ def _splitk_gemv_kernel(
         k_mask = ks < K
         x = tl.load(
             x_ptr + rows[:, None] * stride_xm + ks[None, :],
-            mask=row_mask[:, None] & k_mask[None, :],
+            mask=row_mask[:, None] & (ks < K_FIRST)[None, :],
             other=0.0,
         )  # (BLOCK_M, BLOCK_K)
+        if TWO_PARTS:  # a masked lane loads nothing, and adding 0 is exact
+            x += tl.load(
+                x2_ptr + rows[:, None] * stride_x2m + (ks - K_FIRST)[None, :],
+                mask=row_mask[:, None] & ((ks >= K_FIRST) & k_mask)[None, :],
+                other=0.0,
+            )
         w = tl.load(
             w_rows + ks[None, :],
             mask=col_mask[:, None] & k_mask[None, :],
@@ -155,3 +239,43 @@ def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> to
         **pdl_options(x.device),
     )
     return parts
+
+
+def splitk_gemv_pair(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    blocks: GemvBlocks,
+    extra: torch.Tensor,
+    weight2: torch.Tensor,
+    blocks2: GemvBlocks,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two GEMVs in one launch, the second over x and more: partial sums of x @ weight.T
+    (blocks' splits) and of [x | extra] @ weight2.T (blocks2's). x (M, K1), extra (M, K2 - K1)
+    bf16 with unit column stride; weight (N1, K1), weight2 (N2, K2) bf16 contiguous. The two
+    share their tile shape (blocks2 differs only in its K splits): the first's programs come
+    first, then the second's."""
+    m, k1 = x.shape
+    n1, n2, k2 = weight.shape[0], weight2.shape[0], weight2.shape[1]
+    if dataclasses.replace(blocks2, k_per_split=blocks.k_per_split, splits=blocks.splits) != blocks:
+        raise ValueError("splitk_gemv_pair: the two GEMVs' tiles must match but for K splits")
+    if k2 != k1 + extra.shape[1]:
+        raise ValueError(f"splitk_gemv_pair: weight2 has {k2} columns for {k1} + {extra.shape[1]}")
+    parts = torch.empty(blocks.splits, m, n1, device=x.device, dtype=torch.float32)
+    parts2 = torch.empty(blocks2.splits, m, n2, device=x.device, dtype=torch.float32)
+    column_blocks = triton.cdiv(n1, blocks.block_n)
+    column_blocks2 = triton.cdiv(n2, blocks.block_n)
+    grid = (column_blocks * blocks.splits + column_blocks2 * blocks2.splits,)
+    _gemv_pair_kernel[grid](
+        x, extra, weight, weight2, parts, parts2, m, n1, k1, n2, k2, x.stride(0),
+        extra.stride(0), blocks.k_per_split, blocks2.k_per_split, column_blocks, column_blocks2,
+        blocks.splits,
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=blocks.block_n,
+        BLOCK_K=blocks.block_k,
+        DOT_F32=not on_gpu(x),
+        PREFETCH=prefetch_weights(x.device),
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+        **pdl_options(x.device),
+    )  # fmt: skip
+    return parts, parts2

@@ -143,13 +143,40 @@ def _route_kernel(
     logits = sum_splits(
         part_ptr, logit_at, row_mask[:, None] & e_mask[None, :], N_SPLITS, split_stride
     )
+    route_rows(
+        logits, rows, row_mask, bias_ptr, ids_ptr, weights_ptr, E_TOTAL, scaling, TOP_K,
+        NORMALIZE, ROWS, BLOCK_E, BLOCK_K, WEIGHTS_IN_LOOP,
+    )  # fmt: skip
+
+
+@triton.jit
+def route_rows(
+    logits,  # (ROWS, BLOCK_E) fp32: the router logits of these rows (any value past E_TOTAL)
+    rows,  # (ROWS,)
+    row_mask,  # (ROWS,)
+    bias_ptr,  # (E_TOTAL,) fp32: e_score_correction_bias
+    ids_ptr,  # (B, TOP_K) int32 out: global expert ids
+    weights_ptr,  # (B, TOP_K) fp32 out
+    E_TOTAL,
+    scaling,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WEIGHTS_IN_LOOP: tl.constexpr,
+):
+    """The routing of these rows from their logits (the module docstring's `route`): stores
+    their ids and weights."""
+    experts = tl.arange(0, BLOCK_E)
+    e_mask = experts < E_TOTAL
     scores = 1.0 / (1.0 + tl.exp(-logits))
     bias = tl.load(bias_ptr + experts, mask=e_mask, other=0.0)
     choice = tl.where(e_mask[None, :], scores + bias[None, :], float("-inf"))
     slots = tl.arange(0, BLOCK_K)[None, :]  # (1, BLOCK_K)
     ids = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
     weights = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-    slot_of = tl.full((ROWS, BLOCK_E), BLOCK_K, tl.int32)  # each expert's slot; BLOCK_K: none
+    slot_of = tl.full((ROWS, BLOCK_E), BLOCK_K, tl.int32)  # each expert's slot
     for slot in tl.static_range(TOP_K):
         best = tl.argmax(choice, axis=1)  # (ROWS,): the first of equal maxima
         picked = experts[None, :] == best[:, None]  # (ROWS, BLOCK_E)

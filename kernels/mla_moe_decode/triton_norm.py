@@ -11,6 +11,13 @@ every intermediate stays fp32 (ROUNDING in triton_common.py). With one "split" h
 it is the input_layernorm: the CPU stand-in for the CuTe DSL kernel of cute_kernels.py, which
 the GPU runs instead.
 One program per token row on the GPU; the row (7168 wide on the real shard) sits in registers.
+
+`add_rmsnorm_route` also routes each row (fused.LayerPlan.router_in_o_proj). The norm scales a
+row by one number, so the router logits gate @ (sum * weight / rms) are (gate * weight) @ sum,
+divided by the rms: o_proj's launch computes the first from o and the layer's residual sum
+(triton_gemv.splitk_gemv_pair), and this kernel, which finds the rms anyway, divides and then
+picks the experts as triton_moe.route does. The router's GEMV and the routing kernel leave the
+layer's chain of kernels.
 """
 
 from __future__ import annotations
@@ -20,14 +27,15 @@ import triton
 import triton.language as tl
 
 from kernels.mla_moe_decode.triton_common import (
+    inverse_rms,
     on_gpu,
     pdl_options,
-    rms_normalize,
     round_bf16,
     rows_per_program,
     sum_splits,
     wait_for_previous_kernel,
 )
+from kernels.mla_moe_decode.triton_moe import route_rows
 
 
 @triton.jit
@@ -50,6 +58,79 @@ def _add_rmsnorm_kernel(
 ):
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    _add_rmsnorm_rows(
+        part_ptr, residual_ptr, residual2_ptr, weight_ptr, residual_out_ptr, out_ptr, N_SPLITS,
+        split_stride, B, D, eps, rows, BLOCK_D, TWO_RESIDUALS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _add_rmsnorm_route_kernel(
+    part_ptr,  # as _add_rmsnorm_kernel's, to eps
+    residual_ptr,
+    residual2_ptr,
+    weight_ptr,
+    residual_out_ptr,
+    out_ptr,
+    N_SPLITS: tl.constexpr,
+    split_stride,
+    B,
+    D,
+    eps,
+    router_ptr,  # (R_SPLITS, B, E_TOTAL) fp32: partial sums of the logits before the norm
+    R_SPLITS: tl.constexpr,
+    router_split_stride,
+    bias_ptr,  # as triton_moe.route_rows', to WEIGHTS_IN_LOOP
+    ids_ptr,
+    route_weights_ptr,
+    E_TOTAL,
+    scaling,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TWO_RESIDUALS: tl.constexpr,
+    WEIGHTS_IN_LOOP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    row_mask = rows < B
+    inverse = _add_rmsnorm_rows(
+        part_ptr, residual_ptr, residual2_ptr, weight_ptr, residual_out_ptr, out_ptr, N_SPLITS,
+        split_stride, B, D, eps, rows, BLOCK_D, TWO_RESIDUALS,
+    )  # fmt: skip
+    experts = tl.arange(0, BLOCK_E)
+    logit_at = rows[:, None] * E_TOTAL + experts[None, :]  # (ROWS, BLOCK_E)
+    logit_mask = row_mask[:, None] & (experts < E_TOTAL)[None, :]
+    before_norm = sum_splits(router_ptr, logit_at, logit_mask, R_SPLITS, router_split_stride)
+    route_rows(
+        before_norm * inverse, rows, row_mask, bias_ptr, ids_ptr, route_weights_ptr, E_TOTAL,
+        scaling, TOP_K, NORMALIZE, ROWS, BLOCK_E, BLOCK_K, WEIGHTS_IN_LOOP,
+    )  # fmt: skip
+
+
+@triton.jit
+def _add_rmsnorm_rows(
+    part_ptr,
+    residual_ptr,
+    residual2_ptr,
+    weight_ptr,
+    residual_out_ptr,
+    out_ptr,
+    N_SPLITS: tl.constexpr,
+    split_stride,
+    B,
+    D,
+    eps,
+    rows,  # (ROWS,)
+    BLOCK_D: tl.constexpr,
+    TWO_RESIDUALS: tl.constexpr,
+):
+    """Stores these rows' residual_out and out (the module docstring); returns their
+    1 / rms of the sum, (ROWS, 1) fp32."""
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < B)[:, None] & (cols < D)[None, :]  # (ROWS, BLOCK_D)
     offsets = rows[:, None] * D + cols[None, :]
@@ -60,7 +141,9 @@ def _add_rmsnorm_kernel(
     summed = projected + residual
     tl.store(residual_out_ptr + offsets, round_bf16(summed), mask=mask)
     weight = tl.load(weight_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, rms_normalize(summed, D, eps, weight[None, :]), mask=mask)
+    inverse = inverse_rms(summed, D, eps)
+    tl.store(out_ptr + offsets, round_bf16(summed * inverse * weight[None, :]), mask=mask)
+    return inverse
 
 
 def add_rmsnorm(
@@ -98,3 +181,49 @@ def add_rmsnorm(
         num_warps=num_warps or min(16, max(1, block // 512)),
         **pdl_options(parts.device),
     )
+
+
+def add_rmsnorm_route(
+    parts: torch.Tensor,
+    residuals: tuple[torch.Tensor, torch.Tensor],
+    weight: torch.Tensor,
+    residual_out: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    router_parts: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    scaling: float,
+    num_warps: int | None = None,
+    weights_in_loop: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rmsnorm with x and residual, and then the routing of each row (triton_moe.route)
+    from router_parts (splits, B, E_total) fp32: partial sums of the router logits before the
+    norm, (gate * weight) @ the sum, which the row's 1 / rms turns into the logits. Returns
+    (ids (B, top_k) int32 global, weights (B, top_k) fp32)."""
+    n_splits, batch, hidden = parts.shape
+    router_splits, experts_total = router_parts.shape[0], bias.shape[0]
+    if router_parts.shape[1:] != (batch, experts_total):
+        raise ValueError(f"add_rmsnorm_route: router sums {tuple(router_parts.shape)}")
+    ids = torch.empty(batch, top_k, device=parts.device, dtype=torch.int32)
+    route_weights = torch.empty(batch, top_k, device=parts.device, dtype=torch.float32)
+    block = triton.next_power_of_2(hidden)
+    rows = rows_per_program(batch, on_gpu(parts))
+    _add_rmsnorm_route_kernel[(triton.cdiv(batch, rows),)](
+        parts, residuals[0], residuals[1], weight, residual_out, out, n_splits,
+        batch * hidden, batch, hidden, eps,
+        router_parts, router_splits, router_parts.stride(0), bias, ids, route_weights,
+        experts_total, scaling,
+        TOP_K=top_k,
+        NORMALIZE=normalize,
+        ROWS=rows,
+        BLOCK_D=block,
+        BLOCK_E=triton.next_power_of_2(experts_total),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        TWO_RESIDUALS=True,
+        WEIGHTS_IN_LOOP=weights_in_loop,
+        num_warps=num_warps or min(16, max(1, block // 512)),
+        **pdl_options(parts.device),
+    )  # fmt: skip
+    return ids, route_weights

@@ -152,10 +152,12 @@ def test_small_kernel_sweep_times_each_change_against_the_plan(tmp_path: Path) -
     assert set(rows[0]["us"]) == set(SMALL_KERNEL_VARIANTS)
     # the interpreter ignores num_warps, and the routing orders give the same bits anyway; the
     # folded latent_prep rounds q_a * weight where the plan rounds q_c, and the absorbed query
-    # rounds its weight where the plan rounds q_nope: other bits
+    # rounds its weight where the plan rounds q_nope, and the folded router does not round the
+    # norm's output: other bits
     expected = dict.fromkeys(SMALL_KERNEL_VARIANTS, True)
     expected["latent_prep folded into q_b"] = False
     expected["query absorbed the other way"] = False
+    expected["router in o_proj"] = False
     assert rows[0]["same_bits"] == expected
     assert all(rows[0]["us"][v] > 0 and rows[0]["off_us"][v] > 0 for v in SMALL_KERNEL_VARIANTS)
 

@@ -44,9 +44,9 @@ from kernels.mla_moe_decode.triton_attention import (
     q_b_folded,
     w_uv,
 )
-from kernels.mla_moe_decode.triton_gemv import gemv_blocks, splitk_gemv
+from kernels.mla_moe_decode.triton_gemv import gemv_blocks, splitk_gemv, splitk_gemv_pair
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, route
-from kernels.mla_moe_decode.triton_norm import add_rmsnorm
+from kernels.mla_moe_decode.triton_norm import add_rmsnorm, add_rmsnorm_route
 from scopes.manifest import Tolerance, load_manifest_file
 
 Tensors = dict[str, torch.Tensor]
@@ -286,6 +286,38 @@ def test_fused_layer_with_the_query_absorbed_passes_the_harness_correctness_chec
     _assert_passes_the_harness_check(path, _case(batch, context), CPU)
 
 
+@pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])
+def test_fused_layer_with_the_router_in_o_proj_passes_the_harness_correctness_check(
+    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LayerPlan.router_in_o_proj (the router's logits before the norm in o_proj's launch, the
+    routing in the post-attention norm kernel) in the whole layer, also with the query absorbed."""
+    _plan_with(monkeypatch, router_in_o_proj=True, absorb_q=batch > 1)
+    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
+    _assert_passes_the_harness_check(path, _case(batch, context), CPU)
+
+
+def test_folded_router_weight_gives_the_logits_times_the_rms() -> None:
+    """[o | x + residual] @ folded_router_weight.T is gate @ (sum * norm_weight), sum = o @
+    o_proj.T + x + residual: the logits before the norm's 1 / rms, to the weight's rounding."""
+    c, gen = LAYER, torch.Generator().manual_seed(9)
+    o_dim = c.heads * c.v_head_dim
+    gate = (torch.randn(c.experts_total, c.hidden, generator=gen) / c.hidden**0.5).to(BF16)
+    norm_weight = (1 + 0.1 * torch.randn(c.hidden, generator=gen)).to(BF16)
+    o_proj = (torch.randn(c.hidden, o_dim, generator=gen) / o_dim**0.5).to(BF16)
+    o = torch.randn(5, o_dim, generator=gen).to(BF16)
+    input_sum = torch.randn(5, c.hidden, generator=gen).to(BF16)
+    folded = fused.folded_router_weight(gate, norm_weight, o_proj)
+    assert folded.shape == (c.experts_total, o_dim + c.hidden) and folded.dtype == BF16
+    got = torch.cat([o, input_sum], dim=1).double() @ folded.double().T
+    summed = o.double() @ o_proj.double().T + input_sum.double()
+    expected = (summed * norm_weight.double()) @ gate.double().T
+    assert _relative(got, expected) < 4e-3  # the weight's bf16 rounding
+    key = (fused.folded_router_weight, (), id(gate), id(norm_weight), id(o_proj))
+    first = triton_common.derived_weight(fused.folded_router_weight, (gate, norm_weight, o_proj))
+    assert key in triton_common._derived and torch.equal(first, folded)
+
+
 def test_absorbed_query_weight_is_q_b_then_w_uk_and_is_computed_once_per_weights() -> None:
     """absorbed_q_weight: q_c @ it.T is, per head, (q_c @ W_q_nope.T) @ W_UK and then the
     head's q_pe columns untouched, to its bf16 rounding. absorbed_q_weights keeps it while the
@@ -310,10 +342,10 @@ def test_absorbed_query_weight_is_q_b_then_w_uk_and_is_computed_once_per_weights
     kv_b.mul_(2)  # written in place: computed again
     again = triton_attention.absorbed_q_weights(q_b, kv_b, c.heads, nope, v_dim)
     assert again is not first and not torch.equal(again[:lora], first[:lora])
-    key = (id(q_b), id(kv_b))
-    assert key in triton_attention._absorbed
+    key = (triton_attention.absorbed_q_weight, (c.heads, nope, v_dim), id(q_b), id(kv_b))
+    assert key in triton_common._derived
     del kv_b
-    assert key not in triton_attention._absorbed
+    assert key not in triton_common._derived
 
 
 @pytest.mark.parametrize(("batch", "context", "gpu_plan"), [(1, 1, False), (3, 70, True)])
@@ -544,6 +576,50 @@ def test_splitk_gemv_partials_sum_to_the_product(rows: int, n: int, k: int) -> N
     parts = splitk_gemv(x, weight, blocks)
     expected = x.double() @ weight.double().T
     torch.testing.assert_close(parts.double().sum(0), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [3, 20])
+def test_the_gemv_pair_gives_each_gemvs_bits(batch: int) -> None:
+    """splitk_gemv_pair: the first GEMV's partial sums are splitk_gemv's, the second's are
+    splitk_gemv's over [x | extra] (the folded router: o_proj's tiles, its own K splits), bit
+    for bit; tiles that differ but for the K splits are refused."""
+    c, gen = LAYER, torch.Generator().manual_seed(batch)
+    o_dim = c.heads * c.v_head_dim
+    x = torch.randn(batch, o_dim, generator=gen).to(BF16)
+    extra = torch.randn(batch, c.hidden, generator=gen).to(BF16)
+    weight = torch.randn(c.hidden, o_dim, generator=gen).to(BF16)
+    weight2 = torch.randn(c.experts_total, o_dim + c.hidden, generator=gen).to(BF16)
+    plan = fused.layer_plan(c, batch, 64, False, 0)
+    assert plan.folded_router.splits > 1  # the second's K splits straddle x and extra
+    parts, parts2 = splitk_gemv_pair(x, weight, plan.o_proj, extra, weight2, plan.folded_router)
+    assert torch.equal(parts, splitk_gemv(x, weight, plan.o_proj))
+    joined = torch.cat([x, extra], dim=1)
+    assert torch.equal(parts2, splitk_gemv(joined, weight2, plan.folded_router))
+    other = dataclasses.replace(plan.folded_router, block_n=plan.o_proj.block_n // 2)
+    with pytest.raises(ValueError, match="tiles"):
+        splitk_gemv_pair(x, weight, plan.o_proj, extra, weight2, other)
+
+
+def test_the_norm_that_routes_gives_the_norms_bits_and_routes_by_the_normalized_logits() -> None:
+    """add_rmsnorm_route: residual_out and out as add_rmsnorm gives them, and the routing of
+    (router sums before the norm) / rms, as stock._select_experts routes those logits."""
+    c, gen = LAYER, torch.Generator().manual_seed(10)
+    parts = torch.randn(2, 20, c.hidden, generator=gen) * 2
+    residuals = tuple(torch.randn(20, c.hidden, generator=gen).to(BF16) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(c.hidden, generator=gen)).to(BF16)
+    before_norm = torch.randn(6, 20, c.experts_total, generator=gen) * 3
+    bias = torch.randn(c.experts_total, generator=gen) * 0.02
+    expected = [torch.empty_like(residuals[0]) for _ in range(2)]
+    add_rmsnorm(parts, residuals, weight, *expected, 1e-6)
+    got = [torch.empty_like(residuals[0]) for _ in range(2)]
+    rule = (bias, c.top_k, c.norm_topk_prob, c.routed_scaling_factor)
+    ids, routing = add_rmsnorm_route(parts, residuals, weight, *got, 1e-6, before_norm, *rule)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    summed = parts.sum(0) + residuals[0].float() + residuals[1].float()
+    inverse = torch.rsqrt(summed.square().mean(1, keepdim=True) + 1e-6)
+    expected_weights, expected_ids = stock._select_experts(c, before_norm.sum(0) * inverse, bias)
+    assert torch.equal(ids.long(), expected_ids)
+    torch.testing.assert_close(routing, expected_weights, rtol=1e-5, atol=1e-6)
 
 
 def test_the_cute_gemv_plan_runs_the_triton_gemv_on_the_cpu(monkeypatch) -> None:
@@ -1094,7 +1170,9 @@ def test_cute_gemv_partials_match_the_triton_kernels_on_the_gpu(batch: int) -> N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("change", ["gemv_cute", "fold_latent_prep", "absorb_q"])
+@pytest.mark.parametrize(
+    "change", ["gemv_cute", "fold_latent_prep", "absorb_q", "router_in_o_proj"]
+)
 @pytest.mark.parametrize(("batch", "context"), [(1, 8192), (8, 5000), (64, 1024)])
 def test_real_shard_with_a_plan_change_passes_the_harness_check_on_the_gpu(
     change: str, batch: int, context: int, monkeypatch: pytest.MonkeyPatch
@@ -1113,7 +1191,9 @@ def test_real_shard_with_a_plan_change_passes_the_harness_check_on_the_gpu(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("change", [None, "gemv_cute", "fold_latent_prep", "absorb_q"])
+@pytest.mark.parametrize(
+    "change", [None, "gemv_cute", "fold_latent_prep", "absorb_q", "router_in_o_proj"]
+)
 def test_fused_layer_replays_from_a_cuda_graph_on_fresh_inputs(
     change: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

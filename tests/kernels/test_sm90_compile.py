@@ -182,6 +182,23 @@ def test_the_folded_latent_prep_compiles_for_sm90_as_13_kernels(tmp_path: Path) 
         assert fold["programs_per_sm"] * 132 >= fold["grid"][0] * fold["grid"][1], fold
 
 
+def test_the_router_in_o_proj_compiles_for_sm90_two_kernels_fewer(tmp_path: Path) -> None:
+    """--router-in-o-proj: o_proj's GEMV and the router's logits before the norm as one
+    launch (_gemv_pair_kernel), the routing in the norm kernel: kernels 9-12 become two, each
+    without spills, the pair's grid in at most two waves of the H200."""
+    args = ["--batches", "1", "8", "64", "--contexts", "1024", "--router-in-o-proj"]
+    report = _run_tool(tmp_path / "router.json", *args, "--gemv", "triton")
+    for (batch, _), launches in _by_case(report).items():
+        plain = LAYER if batch <= 4 else LAYER_ABSORBED
+        at = plain.index("_add_rmsnorm_kernel") - 1  # o_proj's GEMV
+        folded = [*plain[:at], "_gemv_pair_kernel", "_add_rmsnorm_route_kernel", *plain[at + 4 :]]
+        assert [launch["kernel"] for launch in launches] == folded, batch
+        for launch in launches[at : at + 2]:
+            assert launch["error"] == "" and launch["spill_bytes"] == 0, (batch, launch)
+        pair = launches[at]
+        assert 2 * pair["programs_per_sm"] * 132 >= pair["grid"][0], pair
+
+
 BAD_KERNEL = """
 import json, sys
 from dataclasses import asdict

@@ -1331,13 +1331,17 @@ def _compare_pdl_modes(
 # 2 and 8 for q_absorb, 4 and 8 for the post-attention norm, 1 and 2 for routing: none won by
 # more than 1%, and fewer warps lost up to 8.5%.
 # A value of None flips the plan's own switch, for the switches the plan sets per batch.
-SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | None]] = {
+SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | str | None]] = {
     "prep 8 warps": ("prep_warps", 8),  # latent_prep (plan: 4)
     "prep 16 warps": ("prep_warps", 16),
     "route 8 warps": ("route_warps", 8),  # the routing kernel (plan: 4)
     "route 16 warps": ("route_warps", 16),
-    "route weights in loop": ("route_weights_in_loop", True),  # its first build's order
+    "route weights in loop": ("route_method", "argmax, weights in loop"),  # its first build
+    # every expert's rank at once, no arg-max rounds (triton_moe._route_by_rank)
+    "route by rank": ("route_method", "rank"),
     "norm 32 warps": ("norm_warps", 32),  # the post-attention add + RMSNorm (plan: 16 here)
+    "norm 4 warps": ("norm_warps", 4),  # measured 2026-12-07 with the router in it, H100
+    "norm 8 warps": ("norm_warps", 8),
     "absorb 8 warps": ("absorb_warps", 8),  # q_absorb (plan: 4)
     # the split-KV attention's token masks in every tile or only the last (the plan: every tile
     # above batch 8); the 2026-12-05 sweep ran it as "attention masks every tile"
@@ -1351,15 +1355,16 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | None]] = {
     # the query), or not (the plan: absorbed above batch 4); not the same bits. The 2026-12-06
     # sweep ran it as "query absorbed"
     "query absorbed the other way": ("absorb_q", None),
-    # the router folded through the post-attention norm: its GEMV in o_proj's launch, the
-    # routing in the norm kernel (10 kernels above batch 4, 12 below); not the same bits: the
-    # logits no longer round the norm's output first
-    "router in o_proj": ("router_in_o_proj", True),
+    # the router folded through the post-attention norm (its GEMV in o_proj's launch, the
+    # routing in the norm kernel; the plan since 2026-12-07) or not (the router GEMV and the
+    # routing kernel, two kernels more); not the same bits: the fold's logits do not round the
+    # norm's output first. The 2026-12-07 sweep ran it as "router in o_proj"
+    "router in o_proj the other way": ("router_in_o_proj", None),
 }
 
 
 def with_plan_value(
-    plan: fused.LayerPlan, field_name: str, value: int | bool | None
+    plan: fused.LayerPlan, field_name: str, value: int | bool | str | None
 ) -> fused.LayerPlan:
     """The plan with one small kernel's launch field changed (None: the plan's switch flipped)."""
     owner: Any = plan.attention if hasattr(plan.attention, field_name) else plan
@@ -1649,7 +1654,8 @@ def _triton_input_norm(
     residual_out: torch.Tensor,
     eps: float,
 ) -> None:
-    """--input-norm triton: kernel 10's Triton add+RMSNorm (x as its one split) as kernel 1."""
+    """--input-norm triton: the post-attention norm's Triton add+RMSNorm (x as its one split) as
+    kernel 1."""
     add_rmsnorm(x[None], (residual,), weight, residual_out, out, eps)
 
 

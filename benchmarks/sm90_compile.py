@@ -13,7 +13,7 @@ Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compil
 
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
         [--moe plan|run18|run19] [--gemv plan|triton|cute] [--fold-latent-prep]
-        [--absorb-q plan|on|off] [--router-in-o-proj]
+        [--absorb-q plan|on|off] [--router-in-o-proj plan|on|off]
         [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
@@ -304,7 +304,7 @@ def compile_layer(
     gemv: str = "plan",
     fold_latent_prep: bool = False,
     absorb_q: str = "plan",
-    router_in_o_proj: bool = False,
+    router_in_o_proj: str = "plan",
 ) -> list[Compiled]:
     plan = fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS)
     if moe in ("run18", "run19"):
@@ -313,9 +313,10 @@ def compile_layer(
         plan = (run18_moe_plan if moe == "run18" else run19_moe_plan)(plan, batch)
     gemv_cute = plan.gemv_cute if gemv == "plan" else gemv == "cute"
     absorbed = plan.absorb_q if absorb_q == "plan" else absorb_q == "on"
+    folded = plan.router_in_o_proj if router_in_o_proj == "plan" else router_in_o_proj == "on"
     plan = replace(
         plan, gemv_cute=gemv_cute, fold_latent_prep=fold_latent_prep, absorb_q=absorbed,
-        router_in_o_proj=router_in_o_proj,
+        router_in_o_proj=folded,
     )  # fmt: skip
     launches = layer_launches(batch, context, plan)
     case_dir = ptx_dir and ptx_dir / f"{batch}x{context}"
@@ -368,9 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--router-in-o-proj",
-        action="store_true",
-        help="the router folded through the post-attention norm (LayerPlan.router_in_o_proj): "
-        "its GEMV in o_proj's launch, the routing in the norm kernel, two kernels fewer",
+        choices=("plan", "on", "off"),
+        default="plan",
+        help="the router folded through the post-attention norm (LayerPlan.router_in_o_proj: "
+        "its GEMV in o_proj's launch, the routing in the norm kernel; the plan's, on at every "
+        "batch), or off: the router GEMV and the routing kernel, two kernels more",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/sm90_compile.json")

@@ -1,8 +1,8 @@
 """Candidate: the fused ("specialized") path for one MLA+MoE decode layer shard, and its guard.
 
 Same contract and numerics class as stock.py (bf16 storage, fp32 accumulation, fp32 router
-logits, the same routing rule), in 14 kernels per layer where the stock path runs dozens (12
-above batch 4, where kernels 13 and 14 run as one and kernels 4 and 5 as one):
+logits, the same routing rule), in 12 kernels per layer where the stock path runs dozens (10
+above batch 4, where kernels 11 and 12 run as one and kernels 4 and 5 as one):
 
      1  input residual add + RMSNorm                          CuTe DSL   cute_kernels.add_rmsnorm
      2  fused_qkv_a_proj GEMV (q_a | kv_a stacked), split-K   Triton     triton_gemv
@@ -12,25 +12,26 @@ above batch 4, where kernels 13 and 14 run as one and kernels 4 and 5 as one):
      6  split-KV latent attention (MQA over the cache)        Triton     triton_attention
      7  log-sum-exp combine of the splits + the new token     Triton     triton_attention
      8  o_lat @ W_UV per head                                 Triton     triton_attention
-     9  o_proj GEMV, split-K                                  Triton     triton_gemv
-    10  post-attention residual add + RMSNorm (o_proj splits) Triton     triton_norm
-    11  router GEMV (fp32 logits), split-K                    Triton     triton_gemv
-    12  routing: sigmoid, biased top-k, weights               Triton     triton_moe
-    13  experts gate_up + SiLU*mul, active + shared experts   Triton     triton_moe
-    14  experts down + routing weights + shared expert sum    Triton     triton_moe
+     9  o_proj GEMV and the router's logits before the norm   Triton     triton_gemv
+    10  post-attention residual add + RMSNorm, then routing   Triton     triton_norm
+    11  experts gate_up + SiLU*mul, active + shared experts   Triton     triton_moe
+    12  experts down + routing weights + shared expert sum    Triton     triton_moe
 
-The four GEMVs (2, 4, 9, 11) also exist in CuTe DSL (cute_gemv: the same tiles and partial
-sums on mma.sync), which the plan takes on the GPU at batch <= 8 (LayerPlan.gemv_cute); kernels
-3 and 4 exist as one launch (triton_attention.q_b_folded, LayerPlan.fold_latent_prep), off:
-measured slower. Above batch 4 kernels 13 and 14 are one kernel (triton_moe's
-_moe_stream_kernel, MoeBlocks.stream_programs): the same items, claimed in turn, each down
-item waiting for its expert's gate_up items; and kernels 4 and 5 are one GEMV over the query
-weight with W_UK absorbed (LayerPlan.absorb_q, triton_attention.absorbed_q_weights), whose
-sums the split attention kernel finishes: 12 kernels per layer there. Kernels 11 and 12 also
-exist folded into 9 and 10 (LayerPlan.router_in_o_proj, off: not yet measured): the norm
-scales each row by one number, so the router's logits before it are a GEMV over o_proj's input
-and the layer's residual sum, run as more programs of o_proj's launch, and the norm kernel,
-which finds the rms, divides and routes.
+Kernels 9 and 10 fold the router through the post-attention norm (LayerPlan.router_in_o_proj):
+the norm scales each row by one number, so the router's logits before it are a GEMV over
+o_proj's input and the layer's residual sum, run as more programs of o_proj's launch, and the
+norm kernel, which finds the rms, divides and picks the experts (sigmoid, biased top-k,
+weights). With router_in_o_proj off, o_proj, the norm, the router GEMV and the routing are
+four kernels (14 per layer), as through the fortieth session.
+The GEMVs 2 and 4 (and o_proj, the router with the fold off) also exist in CuTe DSL
+(cute_gemv: the same tiles and partial sums on mma.sync), which the plan takes on the GPU at
+batch <= 8 (LayerPlan.gemv_cute); kernels 3 and 4 exist as one launch
+(triton_attention.q_b_folded, LayerPlan.fold_latent_prep), off: measured slower. Above batch 4
+kernels 11 and 12 are one kernel (triton_moe's _moe_stream_kernel, MoeBlocks.stream_programs):
+the same items, claimed in turn, each down item waiting for its expert's gate_up items; and
+kernels 4 and 5 are one GEMV over the query weight with W_UK absorbed (LayerPlan.absorb_q,
+triton_attention.absorbed_q_weights), whose sums the split attention kernel finishes: 10
+kernels per layer there.
 
 Every weight byte is read once (the experts only where some token chose them, decided on the
 device from the routing table), nothing synchronizes with the host, and no sum depends on the
@@ -246,10 +247,11 @@ class LayerPlan:
     prep_warps: int = 4  # latent_prep
     norm_warps: int | None = None  # the post-attention add + RMSNorm; None: add_rmsnorm's rule
     route_warps: int = 4
-    route_weights_in_loop: bool = False  # the routing kernel's first build (one sum per slot)
-    # the four GEMVs (kernels 2, 4, 9, 11) as the CuTe DSL kernel of cute_gemv, same tiles, on
-    # the GPU; the Triton kernel stands in on the CPU. layer_plan turns it on at batch <= 8
-    # (`--sweep-small-kernels`, "GEMVs in CuTe DSL", 2026-12-05)
+    route_method: str = "argmax"  # triton_moe.ROUTE_METHODS
+    # the dense GEMVs (qkv_a, q_b, and o_proj and the router with router_in_o_proj off) as the
+    # CuTe DSL kernel of cute_gemv, same tiles, on the GPU; the Triton kernel stands in on the
+    # CPU. layer_plan turns it on at batch <= 8 (`--sweep-small-kernels`, "GEMVs in CuTe DSL",
+    # 2026-12-05)
     gemv_cute: bool = False
     # kernels 3 and 4 in one launch (triton_attention.q_b_folded: q_a_layernorm's scale applied
     # by q_absorb), 13 kernels per layer. Off: 2-15% slower per layer on the H200
@@ -263,9 +265,11 @@ class LayerPlan:
     absorb_q: bool = False
     # the router folded through the post-attention norm (triton_norm.add_rmsnorm_route): its
     # logits before the norm as more programs of o_proj's launch (the Triton GEMV pair, also
-    # where gemv_cute is on), the routing done by the norm kernel, kernels 11 and 12 gone. Built
-    # 2026-12-07 without a GPU; not yet measured, so off
-    router_in_o_proj: bool = False
+    # where gemv_cute is on), the routing done by the norm kernel: two kernels fewer. Against
+    # the router GEMV and the routing kernel, on the same seed's quick validate on an H100:
+    # 0.969-0.996 of the layer time at batch 1-8 (2.3-3.3 µs), 0.999-1.001 at 64
+    # (docs/runs/2026-12-07-router-in-o-proj/)
+    router_in_o_proj: bool = True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -332,7 +336,8 @@ def folded_router_weight(
 
 
 def gemv_shapes(c: LayerConfig) -> dict[str, tuple[int, int]]:
-    """(N, K) of the layer's four projections (kernels 2, 4, 9, 11), by their LayerPlan field."""
+    """(N, K) of the layer's four projections (qkv_a, q_b, o_proj, the router), by their
+    LayerPlan field."""
     return {
         "qkv_a": (c.q_lora_rank + c.latent_dim, c.hidden),
         "q_b": (c.heads * c.qk_head_dim, c.q_lora_rank),
@@ -461,7 +466,8 @@ def rope_turns(device: torch.device, rope_dim: int, theta: float) -> torch.Tenso
 
 def route(weights: Tensors, inputs: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts `forward` picks for these inputs, as stock.route returns them: weights
-    (B, top_k) float32 and global ids (B, top_k) int64. Runs kernels 1-12 of the layer."""
+    (B, top_k) float32 and global ids (B, top_k) int64. Runs the layer's kernels before the
+    MoE."""
     config = LayerConfig.from_tensor(weights["config"])
     x = inputs["x"]
     scratch = {
@@ -491,7 +497,7 @@ def _plan(c: LayerConfig, x: torch.Tensor, context: int) -> LayerPlan:
 def _attention_and_routing(
     c: LayerConfig, w: Tensors, inputs: Tensors, out: Tensors
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kernels 1-12: writes out["kv_new"] and out["residual_out"]; returns the MoE input
+    """Kernels 1-10: writes out["kv_new"] and out["residual_out"]; returns the MoE input
     (B, hidden) bf16, the routing ids (B, top_k) int32 and weights (B, top_k) fp32."""
     x, positions, cache = inputs["x"], inputs["positions"], inputs["kv_cache"]
     batch, eps = x.shape[0], c.rms_norm_eps
@@ -546,8 +552,8 @@ def _o_proj_and_routing(
     input_sum: torch.Tensor,
     out: Tensors,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kernels 9-12 (9 and 10 with router_in_o_proj): o_proj, the post-attention add + RMSNorm
-    (writes out["residual_out"]), the router and the routing; returns as
+    """Kernels 9 and 10 (four with router_in_o_proj off): o_proj, the post-attention add +
+    RMSNorm (writes out["residual_out"]), the router and the routing; returns as
     _attention_and_routing."""
     x, eps = inputs["x"], c.rms_norm_eps
     moe_in = torch.empty_like(x)
@@ -561,20 +567,20 @@ def _o_proj_and_routing(
         )
         ids, routing = add_rmsnorm_route(
             attn, residuals, norm, out["residual_out"], moe_in, eps, before_norm, *rule,
-            plan.norm_warps, plan.route_weights_in_loop,
+            plan.norm_warps, plan.route_method,
         )  # fmt: skip
         return moe_in, ids, routing
     attn = dense_gemv(o, w["o_proj"], plan.o_proj, plan)
     add_rmsnorm(attn, residuals, norm, out["residual_out"], moe_in, eps, plan.norm_warps)
     logits = dense_gemv(moe_in, w["gate"], plan.router, plan)
-    ids, routing = route_experts(logits, *rule, plan.route_warps, plan.route_weights_in_loop)
+    ids, routing = route_experts(logits, *rule, plan.route_warps, plan.route_method)
     return moe_in, ids, routing
 
 
 def dense_gemv(
     x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks, plan: LayerPlan
 ) -> torch.Tensor:
-    """Kernels 2, 4, 9 and 11: split-K partial sums of x @ weight.T, (splits, B, N) fp32. The
+    """The dense GEMVs: split-K partial sums of x @ weight.T, (splits, B, N) fp32. The
     CuTe DSL kernel where the plan asks for it on the GPU; the Triton kernel otherwise, which
     computes the same partial sums (the same tiles and K ranges; the MMAs may order a tile's
     products differently, so the last bit of a partial sum may differ)."""

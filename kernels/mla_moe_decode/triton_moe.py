@@ -86,6 +86,14 @@ from kernels.mla_moe_decode.triton_common import (
     wait_for_previous_kernel,
 )
 
+# How the routing kernels pick each row's experts (same ids, ties to the lower id; the weights'
+# normalizing sum may add in another order, so their last bit may differ):
+# "argmax": TOP_K rounds of arg-max, then every slot's score in one reduction (the plan);
+#     "argmax, weights in loop": the first build, one reduction per slot inside the rounds;
+#     "rank": every expert's rank at once (_route_by_rank; built 2026-12-07, not yet measured).
+ROUTE_METHODS = {"argmax": 0, "argmax, weights in loop": 1, "rank": 2}
+RANK_CHUNK = tl.constexpr(32)  # experts compared at a time by the rank method
+
 
 @dataclass(frozen=True)
 class MoeBlocks:
@@ -121,6 +129,7 @@ def _route_kernel(
     bias_ptr,  # (E_TOTAL,) fp32: e_score_correction_bias
     ids_ptr,  # (B, TOP_K) int32 out: global expert ids
     weights_ptr,  # (B, TOP_K) fp32 out
+    scratch_ptr,  # (B, BLOCK_E) fp32, METHOD 2 only
     N_SPLITS: tl.constexpr,  # sum_splits unrolls over it
     split_stride,
     B,
@@ -131,7 +140,7 @@ def _route_kernel(
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WEIGHTS_IN_LOOP: tl.constexpr,  # the first build's order (--sweep-small-kernels)
+    METHOD: tl.constexpr,  # ROUTE_METHODS
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -144,8 +153,8 @@ def _route_kernel(
         part_ptr, logit_at, row_mask[:, None] & e_mask[None, :], N_SPLITS, split_stride
     )
     route_rows(
-        logits, rows, row_mask, bias_ptr, ids_ptr, weights_ptr, E_TOTAL, scaling, TOP_K,
-        NORMALIZE, ROWS, BLOCK_E, BLOCK_K, WEIGHTS_IN_LOOP,
+        logits, rows, row_mask, bias_ptr, ids_ptr, weights_ptr, scratch_ptr, E_TOTAL, scaling,
+        TOP_K, NORMALIZE, ROWS, BLOCK_E, BLOCK_K, METHOD,
     )  # fmt: skip
 
 
@@ -157,7 +166,43 @@ def route_rows(
     bias_ptr,  # (E_TOTAL,) fp32: e_score_correction_bias
     ids_ptr,  # (B, TOP_K) int32 out: global expert ids
     weights_ptr,  # (B, TOP_K) fp32 out
+    scratch_ptr,  # (B, BLOCK_E) fp32: the biased scores, for METHOD 2
     E_TOTAL,
+    scaling,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    METHOD: tl.constexpr,
+):
+    """The routing of these rows from their logits (the module docstring's `route`): stores
+    their ids and weights, by ROUTE_METHODS[METHOD]."""
+    experts = tl.arange(0, BLOCK_E)
+    e_mask = experts < E_TOTAL
+    scores = 1.0 / (1.0 + tl.exp(-logits))
+    bias = tl.load(bias_ptr + experts, mask=e_mask, other=0.0)
+    choice = tl.where(e_mask[None, :], scores + bias[None, :], float("-inf"))
+    if METHOD == 2:
+        _route_by_rank(
+            choice, scores, rows, row_mask, ids_ptr, weights_ptr, scratch_ptr, scaling, TOP_K,
+            NORMALIZE, ROWS, BLOCK_E,
+        )  # fmt: skip
+    else:
+        _route_by_argmax(
+            choice, scores, rows, row_mask, ids_ptr, weights_ptr, scaling, TOP_K, NORMALIZE,
+            ROWS, BLOCK_E, BLOCK_K, METHOD == 1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _route_by_argmax(
+    choice,  # (ROWS, BLOCK_E) fp32: biased scores, -inf past E_TOTAL
+    scores,  # (ROWS, BLOCK_E) fp32: unbiased
+    rows,
+    row_mask,
+    ids_ptr,
+    weights_ptr,
     scaling,
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -166,13 +211,8 @@ def route_rows(
     BLOCK_K: tl.constexpr,
     WEIGHTS_IN_LOOP: tl.constexpr,
 ):
-    """The routing of these rows from their logits (the module docstring's `route`): stores
-    their ids and weights."""
+    """TOP_K rounds of arg-max, each a block-wide reduction, best first."""
     experts = tl.arange(0, BLOCK_E)
-    e_mask = experts < E_TOTAL
-    scores = 1.0 / (1.0 + tl.exp(-logits))
-    bias = tl.load(bias_ptr + experts, mask=e_mask, other=0.0)
-    choice = tl.where(e_mask[None, :], scores + bias[None, :], float("-inf"))
     slots = tl.arange(0, BLOCK_K)[None, :]  # (1, BLOCK_K)
     ids = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
     weights = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
@@ -203,6 +243,53 @@ def route_rows(
     tl.store(weights_ptr + out_at, weights, mask=out_mask)
 
 
+@triton.jit
+def _route_by_rank(
+    choice,  # (ROWS, BLOCK_E) fp32: biased scores, -inf past E_TOTAL
+    scores,  # (ROWS, BLOCK_E) fp32: unbiased
+    rows,
+    row_mask,
+    ids_ptr,
+    weights_ptr,
+    scratch_ptr,
+    scaling,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Each expert's rank: how many experts come before it (a larger biased score, or an equal
+    one at a lower id), the order the arg-max rounds pick them in. The experts ranked below
+    TOP_K are stored at their rank. No round depends on the one before: the biased scores go
+    through memory once (each expert is compared with every other, RANK_CHUNK at a time), and
+    the only block-wide reduction is the weights' normalizing sum."""
+    experts = tl.arange(0, BLOCK_E)
+    at = rows[:, None] * BLOCK_E + experts[None, :]  # (ROWS, BLOCK_E)
+    tl.store(scratch_ptr + at, choice, mask=row_mask[:, None])
+    tl.debug_barrier()  # every thread's scores stored before any is read back
+    rank = tl.zeros((ROWS, BLOCK_E), dtype=tl.int32)
+    for first in tl.static_range(0, BLOCK_E, RANK_CHUNK):
+        others = first + tl.arange(0, RANK_CHUNK)  # (RANK_CHUNK,)
+        theirs = tl.load(
+            scratch_ptr + rows[:, None, None] * BLOCK_E + others[None, None, :],
+            mask=row_mask[:, None, None],
+            other=0.0,
+        )  # (ROWS, 1, RANK_CHUNK)
+        mine = choice[:, :, None]
+        lower_id = others[None, None, :] < experts[None, :, None]
+        before = (theirs > mine) | ((theirs == mine) & lower_id)
+        rank += tl.sum(before.to(tl.int32), axis=2)
+    chosen = rank < TOP_K  # past E_TOTAL the scores are -inf: ranked E_TOTAL and after
+    weights = tl.where(chosen, scores, 0.0)
+    if NORMALIZE:
+        weights = weights / tl.sum(weights, axis=1, keep_dims=True)
+    weights = weights * scaling
+    out_at = rows[:, None] * TOP_K + rank
+    out_mask = row_mask[:, None] & chosen
+    tl.store(ids_ptr + out_at, experts[None, :] + tl.zeros_like(rank), mask=out_mask)
+    tl.store(weights_ptr + out_at, weights, mask=out_mask)
+
+
 def route(
     parts: torch.Tensor,
     bias: torch.Tensor,
@@ -210,9 +297,10 @@ def route(
     normalize: bool,
     scaling: float,
     num_warps: int = 4,
-    weights_in_loop: bool = False,
+    method: str = "argmax",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """parts (splits, B, E_total) fp32 -> (ids (B, top_k) int32 global, weights (B, top_k) fp32)."""
+    """parts (splits, B, E_total) fp32 -> (ids (B, top_k) int32 global, weights (B, top_k) fp32),
+    picked by ROUTE_METHODS[method]."""
     n_splits, batch, n = parts.shape
     experts_total = bias.shape[0]
     if n != experts_total:
@@ -225,6 +313,7 @@ def route(
         bias,
         ids,
         weights,
+        route_scratch(parts, experts_total, method),
         n_splits,
         parts.stride(0),
         batch,
@@ -235,11 +324,26 @@ def route(
         ROWS=rows,
         BLOCK_E=triton.next_power_of_2(experts_total),
         BLOCK_K=triton.next_power_of_2(top_k),
-        WEIGHTS_IN_LOOP=weights_in_loop,
+        METHOD=route_method_number(method),
         num_warps=num_warps,
         **pdl_options(parts.device),
     )
     return ids, weights
+
+
+def route_method_number(method: str) -> int:
+    """The routing kernels' METHOD constexpr for a ROUTE_METHODS name."""
+    if method not in ROUTE_METHODS:
+        raise ValueError(f"routing method {method!r}: one of {', '.join(ROUTE_METHODS)}")
+    return ROUTE_METHODS[method]
+
+
+def route_scratch(like: torch.Tensor, experts_total: int, method: str) -> torch.Tensor:
+    """The rank method's (B, BLOCK_E) fp32 buffer for the biased scores; a placeholder (never
+    read) for the others."""
+    rows = like.shape[-2] if route_method_number(method) == 2 else 1
+    width = triton.next_power_of_2(experts_total)
+    return torch.empty(rows, width, device=like.device, dtype=torch.float32)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ from kernels.mla_moe_decode.triton_common import (
     sum_splits,
     wait_for_previous_kernel,
 )
-from kernels.mla_moe_decode.triton_moe import route_rows
+from kernels.mla_moe_decode.triton_moe import route_method_number, route_rows, route_scratch
 
 
 @triton.jit
@@ -80,9 +80,10 @@ def _add_rmsnorm_route_kernel(
     router_ptr,  # (R_SPLITS, B, E_TOTAL) fp32: partial sums of the logits before the norm
     R_SPLITS: tl.constexpr,
     router_split_stride,
-    bias_ptr,  # as triton_moe.route_rows', to WEIGHTS_IN_LOOP
+    bias_ptr,  # as triton_moe.route_rows', to METHOD
     ids_ptr,
     route_weights_ptr,
+    scratch_ptr,
     E_TOTAL,
     scaling,
     TOP_K: tl.constexpr,
@@ -92,7 +93,7 @@ def _add_rmsnorm_route_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TWO_RESIDUALS: tl.constexpr,
-    WEIGHTS_IN_LOOP: tl.constexpr,
+    METHOD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -107,8 +108,8 @@ def _add_rmsnorm_route_kernel(
     logit_mask = row_mask[:, None] & (experts < E_TOTAL)[None, :]
     before_norm = sum_splits(router_ptr, logit_at, logit_mask, R_SPLITS, router_split_stride)
     route_rows(
-        before_norm * inverse, rows, row_mask, bias_ptr, ids_ptr, route_weights_ptr, E_TOTAL,
-        scaling, TOP_K, NORMALIZE, ROWS, BLOCK_E, BLOCK_K, WEIGHTS_IN_LOOP,
+        before_norm * inverse, rows, row_mask, bias_ptr, ids_ptr, route_weights_ptr, scratch_ptr,
+        E_TOTAL, scaling, TOP_K, NORMALIZE, ROWS, BLOCK_E, BLOCK_K, METHOD,
     )  # fmt: skip
 
 
@@ -196,12 +197,12 @@ def add_rmsnorm_route(
     normalize: bool,
     scaling: float,
     num_warps: int | None = None,
-    weights_in_loop: bool = False,
+    method: str = "argmax",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rmsnorm with x and residual, and then the routing of each row (triton_moe.route)
-    from router_parts (splits, B, E_total) fp32: partial sums of the router logits before the
-    norm, (gate * weight) @ the sum, which the row's 1 / rms turns into the logits. Returns
-    (ids (B, top_k) int32 global, weights (B, top_k) fp32)."""
+    """add_rmsnorm with x and residual, and then the routing of each row (triton_moe.route, by
+    triton_moe.ROUTE_METHODS[method]) from router_parts (splits, B, E_total) fp32: partial sums
+    of the router logits before the norm, (gate * weight) @ the sum, which the row's 1 / rms
+    turns into the logits. Returns (ids (B, top_k) int32 global, weights (B, top_k) fp32)."""
     n_splits, batch, hidden = parts.shape
     router_splits, experts_total = router_parts.shape[0], bias.shape[0]
     if router_parts.shape[1:] != (batch, experts_total):
@@ -214,7 +215,7 @@ def add_rmsnorm_route(
         parts, residuals[0], residuals[1], weight, residual_out, out, n_splits,
         batch * hidden, batch, hidden, eps,
         router_parts, router_splits, router_parts.stride(0), bias, ids, route_weights,
-        experts_total, scaling,
+        route_scratch(parts, experts_total, method), experts_total, scaling,
         TOP_K=top_k,
         NORMALIZE=normalize,
         ROWS=rows,
@@ -222,7 +223,7 @@ def add_rmsnorm_route(
         BLOCK_E=triton.next_power_of_2(experts_total),
         BLOCK_K=triton.next_power_of_2(top_k),
         TWO_RESIDUALS=True,
-        WEIGHTS_IN_LOOP=weights_in_loop,
+        METHOD=route_method_number(method),
         num_warps=num_warps or min(16, max(1, block // 512)),
         **pdl_options(parts.device),
     )  # fmt: skip

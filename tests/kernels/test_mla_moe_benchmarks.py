@@ -157,7 +157,7 @@ def test_small_kernel_sweep_times_each_change_against_the_plan(tmp_path: Path) -
     expected = dict.fromkeys(SMALL_KERNEL_VARIANTS, True)
     expected["latent_prep folded into q_b"] = False
     expected["query absorbed the other way"] = False
-    expected["router in o_proj"] = False
+    expected["router in o_proj the other way"] = False
     assert rows[0]["same_bits"] == expected
     assert all(rows[0]["us"][v] > 0 and rows[0]["off_us"][v] > 0 for v in SMALL_KERNEL_VARIANTS)
 

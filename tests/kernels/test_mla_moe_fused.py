@@ -287,12 +287,13 @@ def test_fused_layer_with_the_query_absorbed_passes_the_harness_correctness_chec
 
 
 @pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])
-def test_fused_layer_with_the_router_in_o_proj_passes_the_harness_correctness_check(
+def test_fused_layer_with_the_router_gemv_and_routing_kernel_passes_the_harness_check(
     batch: int, context: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """LayerPlan.router_in_o_proj (the router's logits before the norm in o_proj's launch, the
-    routing in the post-attention norm kernel) in the whole layer, also with the query absorbed."""
-    _plan_with(monkeypatch, router_in_o_proj=True, absorb_q=batch > 1)
+    """LayerPlan.router_in_o_proj off (o_proj, the norm, the router GEMV and the routing as
+    four kernels, as through the fortieth session) in the whole layer, also with the query
+    absorbed."""
+    _plan_with(monkeypatch, router_in_o_proj=False, absorb_q=batch > 1)
     path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
     _assert_passes_the_harness_check(path, _case(batch, context), CPU)
 
@@ -392,7 +393,7 @@ def test_a_near_tie_flip_fails_the_global_check_but_not_the_per_token_one() -> N
     another expert than float64 math (a near-tie the stock path happens to get right), so the
     global `out` error is many times the stock's, while every other token is within budget."""
     problem, case = Problem(CONFIG), _case(16, 16)
-    weights, inputs = problem.make_weights(case, 16, CPU), problem.make_inputs(case, 1152, CPU)
+    weights, inputs = problem.make_weights(case, 16, CPU), problem.make_inputs(case, 1128, CPU)
     tolerance = _scope_tolerance()
     got, stock_out = (
         _outputs(fused.forward, weights, inputs),
@@ -600,7 +601,10 @@ def test_the_gemv_pair_gives_each_gemvs_bits(batch: int) -> None:
         splitk_gemv_pair(x, weight, plan.o_proj, extra, weight2, other)
 
 
-def test_the_norm_that_routes_gives_the_norms_bits_and_routes_by_the_normalized_logits() -> None:
+@pytest.mark.parametrize("method", ["argmax", "rank"])
+def test_the_norm_that_routes_gives_the_norms_bits_and_routes_by_the_normalized_logits(
+    method: str,
+) -> None:
     """add_rmsnorm_route: residual_out and out as add_rmsnorm gives them, and the routing of
     (router sums before the norm) / rms, as stock._select_experts routes those logits."""
     c, gen = LAYER, torch.Generator().manual_seed(10)
@@ -613,7 +617,9 @@ def test_the_norm_that_routes_gives_the_norms_bits_and_routes_by_the_normalized_
     add_rmsnorm(parts, residuals, weight, *expected, 1e-6)
     got = [torch.empty_like(residuals[0]) for _ in range(2)]
     rule = (bias, c.top_k, c.norm_topk_prob, c.routed_scaling_factor)
-    ids, routing = add_rmsnorm_route(parts, residuals, weight, *got, 1e-6, before_norm, *rule)
+    ids, routing = add_rmsnorm_route(
+        parts, residuals, weight, *got, 1e-6, before_norm, *rule, method=method
+    )
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     summed = parts.sum(0) + residuals[0].float() + residuals[1].float()
     inverse = torch.rsqrt(summed.square().mean(1, keepdim=True) + 1e-6)
@@ -858,26 +864,34 @@ def test_routing_picks_the_biased_top_k_and_weighs_by_the_unbiased_scores() -> N
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
 
 
-def test_routing_weighs_after_the_loop_with_the_bits_of_weighing_inside_it() -> None:
-    """The routing kernel takes each slot's unbiased score in one reduction after the top-k
-    loop; its first build took one per slot inside the loop (still an option, for the
-    device sweep). Same ids, same weights, ties in the biased score included (a tie goes to
-    the lower expert id in both). Bit for bit here; on the GPU the normalizing sum may add
-    the eight weights in another order (a last-bit difference the layer tolerates)."""
+@pytest.mark.parametrize("method", ["argmax, weights in loop", "rank"])
+def test_every_routing_method_picks_what_the_plans_does(method: str) -> None:
+    """triton_moe.ROUTE_METHODS: the plan's arg-max rounds with every weight taken after them,
+    its first build (one reduction per slot inside the rounds) and every expert's rank at once
+    give the same ids, ties in the biased score included (a tie goes to the lower expert id in
+    each), and the same weights but for the order of the normalizing sum: bit for bit for the
+    arg-max builds here; on the GPU the sum may add the eight weights in another order (a
+    last-bit difference the layer tolerates)."""
     c, gen = LAYER, torch.Generator().manual_seed(6)
     parts = torch.randn(2, 20, c.experts_total, generator=gen)
     parts[:, 3] = 0.25  # row 3: every expert tied before the bias
     bias = torch.zeros(c.experts_total)
     bias[::5] = 0.5  # and tied again among every fifth expert after it
     rule = (c.top_k, c.norm_topk_prob, c.routed_scaling_factor)
-    after = route(parts, bias, *rule)
-    inside = route(parts, bias, *rule, weights_in_loop=True)
-    assert torch.equal(after[0], inside[0]) and torch.equal(after[1], inside[1])
-    assert after[0][3].tolist() == list(range(0, 5 * c.top_k, 5))  # ties: lower ids first
+    plan = route(parts, bias, *rule)
+    other = route(parts, bias, *rule, method=method)
+    assert torch.equal(other[0], plan[0])
+    if method == "rank":
+        torch.testing.assert_close(other[1], plan[1], rtol=3e-7, atol=0)
+    else:
+        assert torch.equal(other[1], plan[1])
+    assert plan[0][3].tolist() == list(range(0, 5 * c.top_k, 5))  # ties: lower ids first
     expected_weights, expected_ids = stock._select_experts(c, parts.sum(0), bias)
     untied = torch.arange(20) != 3  # torch.topk orders ties its own way
-    assert torch.equal(after[0][untied].long(), expected_ids[untied])
-    torch.testing.assert_close(after[1], expected_weights, rtol=1e-6, atol=1e-7)
+    assert torch.equal(plan[0][untied].long(), expected_ids[untied])
+    torch.testing.assert_close(plan[1], expected_weights, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="routing method 'heap'"):
+        route(parts, bias, *rule, method="heap")
 
 
 @pytest.mark.parametrize(("programs", "cols"), [(0, 64), (3, 64), (0, 16)])
@@ -1169,18 +1183,26 @@ def test_cute_gemv_partials_match_the_triton_kernels_on_the_gpu(batch: int) -> N
         assert _relative(cute_parts.double().sum(0), expected) < 1e-5, name
 
 
+# LayerPlan changes the GPU tests take: the GEMVs in CuTe DSL, latent_prep folded into q_b, the
+# query absorbed, each on; the router GEMV and the routing kernel (the fold off)
+PLAN_CHANGES = {
+    "gemv_cute": True,
+    "fold_latent_prep": True,
+    "absorb_q": True,
+    "router_in_o_proj": False,
+    "route_method": "rank",
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "change", ["gemv_cute", "fold_latent_prep", "absorb_q", "router_in_o_proj"]
-)
+@pytest.mark.parametrize("change", list(PLAN_CHANGES))
 @pytest.mark.parametrize(("batch", "context"), [(1, 8192), (8, 5000), (64, 1024)])
 def test_real_shard_with_a_plan_change_passes_the_harness_check_on_the_gpu(
     change: str, batch: int, context: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The layer with LayerPlan.gemv_cute on (the four GEMVs in CuTe DSL), with
-    fold_latent_prep on (kernels 3 and 4 in one launch) or with absorb_q on (kernels 4 and 5 as
-    one GEMV) through the same check as the plan's layer above."""
-    _plan_with(monkeypatch, **{change: True})
+    """The layer with one PLAN_CHANGES change through the same check as the plan's layer
+    above."""
+    _plan_with(monkeypatch, **{change: PLAN_CHANGES[change]})
     manifest = load_manifest_file(SCOPE)
     config: dict[str, object] = dict(manifest.model.config)
     path = LoadedPath(Problem(config), stock.forward_compiled, fused.forward, fused.supports)
@@ -1191,17 +1213,15 @@ def test_real_shard_with_a_plan_change_passes_the_harness_check_on_the_gpu(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "change", [None, "gemv_cute", "fold_latent_prep", "absorb_q", "router_in_o_proj"]
-)
+@pytest.mark.parametrize("change", [None, *PLAN_CHANGES])
 def test_fused_layer_replays_from_a_cuda_graph_on_fresh_inputs(
     change: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Capturable: after two warm-up calls, one captured call replays on inputs rewritten in
     place and gives exactly what an eager call gives on them (no host sync or cached state);
-    also with the GEMVs in CuTe DSL and with latent_prep folded (LayerPlan changes)."""
+    also with each PLAN_CHANGES change."""
     if change is not None:
-        _plan_with(monkeypatch, **{change: True})
+        _plan_with(monkeypatch, **{change: PLAN_CHANGES[change]})
     cuda = torch.device("cuda")
     problem, case = Problem({}), _case(8, 1024, gpu=fused.device_kind(cuda), config={})
     weights = problem.make_weights(case, 1, cuda)

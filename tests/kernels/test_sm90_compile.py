@@ -22,7 +22,7 @@ from benchmarks.sm90_compile import BLOCK_SHARED_MAX, programs_per_sm
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "benchmarks" / "sm90_compile.py"
-# fused.py's 14 kernels, in order (its docstring's table); the down is the plan's walker
+# fused.py's 12 kernels, in order (its docstring's table); the down is the plan's walker
 LAYER = [
     "cute_kernels.add_rmsnorm (CuTe DSL)",
     "_splitk_gemv_kernel",
@@ -32,21 +32,21 @@ LAYER = [
     "_mla_split_kernel",
     "_mla_combine_kernel",
     "_w_uv_kernel",
-    "_splitk_gemv_kernel",
-    "_add_rmsnorm_kernel",
-    "_splitk_gemv_kernel",
-    "_route_kernel",
+    "_gemv_pair_kernel",
+    "_add_rmsnorm_route_kernel",
     "_gate_up_kernel",
     "_down_kernel",
 ]
-# above batch 4 the plan's MoE is one kernel (MoeBlocks.stream_programs): 13 kernels; runs 19
+# above batch 4 the plan's MoE is one kernel (MoeBlocks.stream_programs): 11 kernels; runs 19
 # and 20 had the gate_up and the down as work items (MoeBlocks.down_programs)
 LAYER_STREAM = [*LAYER[:-2], "_moe_stream_kernel"]
 LAYER_ITEMS = [*LAYER[:-1], "_down_items_kernel"]
 # above batch 4 the query is absorbed too (LayerPlan.absorb_q): q_b's GEMV over the absorbed
-# weight, always the Triton kernel (32-column tiles), and no q_absorb: 12 kernels
+# weight, always the Triton kernel (32-column tiles), and no q_absorb: 10 kernels
 Q_LAT_AT = 3
 LAYER_ABSORBED = [*LAYER_STREAM[:Q_LAT_AT], "_splitk_gemv_kernel", *LAYER_STREAM[Q_LAT_AT + 2 :]]
+# o_proj's GEMV (the pair with the router's part) and the norm that routes
+PAIR_AT = LAYER.index("_gemv_pair_kernel")
 BATCHES, CONTEXTS = (1, 8, 64), (1024, 32768)
 CUTE_GEMV = "cute_gemv.splitk_gemv (CuTe DSL)"
 # The plan's GEMVs at batch <= 8 are CuTe DSL (LayerPlan.gemv_cute): compiled where
@@ -129,6 +129,9 @@ def test_the_compiled_launches_are_the_plans(plan_report: dict) -> None:
     assert split["constexprs"]["FINISH_Q"] is True  # it finishes the absorbed query
     q_lat = launches[Q_LAT_AT]
     assert q_lat["grid"] == [144, 1]  # 4608 columns in 32-wide tiles, the whole K in one split
+    pair = launches[PAIR_AT - 1]  # o_proj's 224 programs and the router's 96 (K = 8192)
+    assert pair["kernel"] == "_gemv_pair_kernel" and pair["grid"] == [320]
+    assert 2 * pair["programs_per_sm"] * 132 >= 320  # at most two waves
 
 
 def test_run_18s_and_19s_moe_plans_compile_for_sm90(tmp_path: Path) -> None:
@@ -150,16 +153,17 @@ def test_run_18s_and_19s_moe_plans_compile_for_sm90(tmp_path: Path) -> None:
 
 
 def test_the_cute_gemvs_compile_for_sm90a_in_place_of_the_triton_ones(tmp_path: Path) -> None:
-    """--gemv cute: kernels 2, 4, 9 and 11 are cute_gemv's CuTe DSL kernel (LayerPlan.gemv_cute),
-    compiled by CuTe DSL and assembled by ptxas: the plan's grids, no spills, and as many
-    programs per SM as the grids need (at most 2 per SM below batch 16, 3 above)."""
+    """--gemv cute: the four dense GEMVs (qkv_a, q_b, o_proj and the router, with the router's
+    fold off) are cute_gemv's CuTe DSL kernel (LayerPlan.gemv_cute), compiled by CuTe DSL and
+    assembled by ptxas: the plan's grids, no spills, and as many programs per SM as the grids
+    need (at most 2 per SM below batch 16, 3 above)."""
     pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
     args = ["--batches", "8", "64", "--contexts", "1024", "--gemv", "cute", "--absorb-q", "off"]
-    report = _run_tool(tmp_path / "cute.json", *args)
+    report = _run_tool(tmp_path / "cute.json", *args, "--router-in-o-proj", "off")
     for case, launches in _by_case(report).items():
         kernels = [launch["kernel"] for launch in launches]
-        gemv_places = [i for i, kernel in enumerate(LAYER) if kernel == "_splitk_gemv_kernel"]
-        assert [kernels[i] for i in gemv_places] == [CUTE_GEMV] * 4, case
+        gemv_places = [i for i, kernel in enumerate(kernels) if kernel == CUTE_GEMV]
+        assert len(gemv_places) == 4 and "_splitk_gemv_kernel" not in kernels, case
         for launch in (launches[i] for i in gemv_places):
             assert launch["error"] == "" and launch["spill_bytes"] == 0, (case, launch)
             assert launch["registers"] > 0
@@ -182,21 +186,25 @@ def test_the_folded_latent_prep_compiles_for_sm90_as_13_kernels(tmp_path: Path) 
         assert fold["programs_per_sm"] * 132 >= fold["grid"][0] * fold["grid"][1], fold
 
 
-def test_the_router_in_o_proj_compiles_for_sm90_two_kernels_fewer(tmp_path: Path) -> None:
-    """--router-in-o-proj: o_proj's GEMV and the router's logits before the norm as one
-    launch (_gemv_pair_kernel), the routing in the norm kernel: kernels 9-12 become two, each
-    without spills, the pair's grid in at most two waves of the H200."""
-    args = ["--batches", "1", "8", "64", "--contexts", "1024", "--router-in-o-proj"]
+def test_the_router_gemv_and_routing_kernel_compile_for_sm90_two_kernels_more(
+    tmp_path: Path,
+) -> None:
+    """--router-in-o-proj off: o_proj's GEMV, the post-attention norm, the router's GEMV and the
+    routing kernel, as through the fortieth session, each without spills."""
+    args = ["--batches", "1", "8", "64", "--contexts", "1024", "--router-in-o-proj", "off"]
     report = _run_tool(tmp_path / "router.json", *args, "--gemv", "triton")
     for (batch, _), launches in _by_case(report).items():
-        plain = LAYER if batch <= 4 else LAYER_ABSORBED
-        at = plain.index("_add_rmsnorm_kernel") - 1  # o_proj's GEMV
-        folded = [*plain[:at], "_gemv_pair_kernel", "_add_rmsnorm_route_kernel", *plain[at + 4 :]]
-        assert [launch["kernel"] for launch in launches] == folded, batch
-        for launch in launches[at : at + 2]:
+        folded = LAYER if batch <= 4 else LAYER_ABSORBED
+        at = PAIR_AT if batch <= 4 else PAIR_AT - 1
+        four = [
+            "_splitk_gemv_kernel",
+            "_add_rmsnorm_kernel",
+            "_splitk_gemv_kernel",
+            "_route_kernel",
+        ]
+        assert [launch["kernel"] for launch in launches] == [*folded[:at], *four, *folded[at + 2 :]]
+        for launch in launches[at : at + 4]:
             assert launch["error"] == "" and launch["spill_bytes"] == 0, (batch, launch)
-        pair = launches[at]
-        assert 2 * pair["programs_per_sm"] * 132 >= pair["grid"][0], pair
 
 
 BAD_KERNEL = """

@@ -229,16 +229,23 @@ def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> to
         k,
         x.stride(0),
         blocks.k_per_split,
-        BLOCK_M=blocks.block_m,
-        BLOCK_N=blocks.block_n,
-        BLOCK_K=blocks.block_k,
-        DOT_F32=not on_gpu(x),
-        PREFETCH=prefetch_weights(x.device),
-        num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages,
-        **pdl_options(x.device),
+        **_launch_options(x, blocks),
     )
     return parts
+
+
+def _launch_options(x: torch.Tensor, blocks: GemvBlocks) -> dict[str, object]:
+    """The GEMV kernels' tile constexprs and launch keywords."""
+    return {
+        "BLOCK_M": blocks.block_m,
+        "BLOCK_N": blocks.block_n,
+        "BLOCK_K": blocks.block_k,
+        "DOT_F32": not on_gpu(x),
+        "PREFETCH": prefetch_weights(x.device),
+        "num_warps": blocks.num_warps,
+        "num_stages": blocks.num_stages,
+        **pdl_options(x.device),
+    }
 
 
 def splitk_gemv_pair(
@@ -268,14 +275,6 @@ def splitk_gemv_pair(
     _gemv_pair_kernel[grid](
         x, extra, weight, weight2, parts, parts2, m, n1, k1, n2, k2, x.stride(0),
         extra.stride(0), blocks.k_per_split, blocks2.k_per_split, column_blocks, column_blocks2,
-        blocks.splits,
-        BLOCK_M=blocks.block_m,
-        BLOCK_N=blocks.block_n,
-        BLOCK_K=blocks.block_k,
-        DOT_F32=not on_gpu(x),
-        PREFETCH=prefetch_weights(x.device),
-        num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages,
-        **pdl_options(x.device),
+        blocks.splits, **_launch_options(x, blocks),
     )  # fmt: skip
     return parts, parts2

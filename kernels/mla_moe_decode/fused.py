@@ -69,6 +69,7 @@ from kernels.mla_moe_decode import cute_gemv, cute_kernels, stock
 from kernels.mla_moe_decode.config import LayerConfig
 from kernels.mla_moe_decode.triton_attention import (
     AttentionBlocks,
+    DeferredNorm,
     UnfinishedQuery,
     absorbed_q_weights,
     latent_prep,
@@ -84,6 +85,7 @@ from kernels.mla_moe_decode.triton_gemv import (
     gemv_blocks,
     splitk_gemv,
     splitk_gemv_pair,
+    summed_gemv,
 )
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe
 from kernels.mla_moe_decode.triton_moe import route as route_experts
@@ -270,6 +272,12 @@ class LayerPlan:
     # 0.969-0.996 of the layer time at batch 1-8 (2.3-3.3 µs), 0.999-1.001 at 64
     # (docs/runs/2026-12-07-router-in-o-proj/)
     router_in_o_proj: bool = True
+    # the input RMSNorm folded into qkv_a (input_norm_weight): its GEMV over x + residual,
+    # which it sums and keeps, with the norm's weight in the GEMV's and the division by the rms
+    # in latent_prep, which adds the GEMV's squares: kernel 1 gone (11 kernels at batch <= 4, 9
+    # above). The CuTe DSL GEMV's summed mode where gemv_cute is on, else the Triton GEMV's.
+    # Not with fold_latent_prep. Off until `--sweep-small-kernels` measures it
+    input_norm_in_qkv_a: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -333,6 +341,13 @@ def folded_router_weight(
     residual): the router logits times the rms of the sum the norm normalizes."""
     through_norm = gate.double() * norm_weight.double()
     return torch.cat([through_norm @ o_proj.double(), through_norm], dim=1).to(gate.dtype)
+
+
+def input_norm_weight(qkv_a: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """fused_qkv_a_proj with the input RMSNorm's weight folded in: (N, hidden) bf16 = qkv_a *
+    norm_weight per column, multiplied in float64 and rounded once. (x + residual) @ it.T is
+    the GEMV of the norm's output times the rms of x + residual, less the norm's rounding."""
+    return (qkv_a.double() * norm_weight.double()[None, :]).to(qkv_a.dtype)
 
 
 def gemv_shapes(c: LayerConfig) -> dict[str, tuple[int, int]]:
@@ -503,13 +518,12 @@ def _attention_and_routing(
     batch, eps = x.shape[0], c.rms_norm_eps
     plan = _plan(c, x, cache.shape[1])
     turns = rope_turns(x.device, c.qk_rope_head_dim, c.rope_theta)
-    hidden, input_sum = torch.empty_like(x), torch.empty_like(x)
     # Kernel 1's bf16 sum of x and residual is read only by the folded router
     # (router_in_o_proj): the post-attention norm adds x and residual again in fp32, as the
     # compiled stock path does. A buffer of its own, not residual_out, which a caller may alias
     # with `residual` (vLLM updates the residual in place).
-    input_add_rmsnorm(x, inputs["residual"], w["input_layernorm"], hidden, input_sum, eps)
-    qkv_a = dense_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a, plan)
+    input_sum = torch.empty_like(x)
+    qkv_a, input_norm = _input_norm_and_qkv_a(c, w, plan, x, inputs["residual"], input_sum)
     norms = (w["q_a_layernorm"], w["kv_a_layernorm"])
     deferred = None
     q_lat = x.new_empty(batch, c.heads, c.latent_dim)
@@ -517,12 +531,16 @@ def _attention_and_routing(
     absorb = plan.absorb_q and cp_group() is None
     unfinished = None
     if plan.fold_latent_prep and not absorb:
+        if input_norm is not None:
+            raise ValueError("fold_latent_prep and input_norm_in_qkv_a: one or the other")
         q, deferred = q_b_folded(
             qkv_a, *norms, positions, turns, w["q_b_proj"], out["kv_new"], eps, plan.q_b
         )
     else:
         q_c = x.new_empty(batch, c.q_lora_rank)
-        latent_prep(qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps)
+        latent_prep(
+            qkv_a, *norms, positions, turns, q_c, out["kv_new"], eps, plan.prep_warps, input_norm
+        )
         if absorb:
             absorbed = absorbed_q_weights(w["q_b_proj"], w["kv_b_proj"], c.heads, nope, v_dim)
             # the Triton GEMV: the tiles are 32 columns wide (q_lat_blocks)
@@ -541,6 +559,30 @@ def _attention_and_routing(
     o = x.new_empty(batch, c.heads * v_dim)
     w_uv(o_lat, w["kv_b_proj"], o, nope, plan.attention)
     return _o_proj_and_routing(c, w, plan, o, inputs, input_sum, out)
+
+
+def _input_norm_and_qkv_a(
+    c: LayerConfig,
+    w: Tensors,
+    plan: LayerPlan,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    input_sum: torch.Tensor,
+) -> tuple[torch.Tensor, DeferredNorm | None]:
+    """Kernels 1 and 2: qkv_a's partial sums of the input RMSNorm's output, and the norm's
+    rms still to divide by where the plan folds the norm into the GEMV (input_norm_in_qkv_a).
+    Writes the bf16 sum x + residual into input_sum."""
+    eps = c.rms_norm_eps
+    if plan.input_norm_in_qkv_a:
+        folded = derived_weight(input_norm_weight, (w["fused_qkv_a_proj"], w["input_layernorm"]))
+        if plan.gemv_cute and on_gpu(x):
+            parts, squares = cute_gemv.summed_gemv(x, residual, folded, plan.qkv_a, input_sum)
+        else:
+            parts, squares = summed_gemv(x, residual, folded, plan.qkv_a, input_sum)
+        return parts, DeferredNorm(squares, c.hidden, eps)
+    hidden = torch.empty_like(x)
+    input_add_rmsnorm(x, residual, w["input_layernorm"], hidden, input_sum, eps)
+    return dense_gemv(hidden, w["fused_qkv_a_proj"], plan.qkv_a, plan), None
 
 
 def _o_proj_and_routing(

@@ -98,20 +98,29 @@ def _latent_prep_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_HALF_R: tl.constexpr,
     PDL: tl.constexpr,
+    squares_ptr,  # INPUT_NORM: (splits, B) fp32, the input's squares per qkv_a split
+    D,  # INPUT_NORM: the input's width (hidden)
+    input_eps,  # INPUT_NORM: the input norm's eps
+    INPUT_NORM: tl.constexpr,  # the partials are of the input not yet divided by its rms
 ):
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = (rows < B)[:, None]  # (ROWS, 1)
     base = rows[:, None] * (Q + L + R)  # (ROWS, 1)
+    if INPUT_NORM:  # the input RMSNorm's scale, one number per token (summed_gemv)
+        squares = sum_splits(squares_ptr, rows[:, None], row_mask, N_SPLITS, B)
+        scale = tl.rsqrt(squares / D + input_eps)  # (ROWS, 1)
+    else:
+        scale = tl.full((ROWS, 1), 1.0, tl.float32)
     qs = tl.arange(0, BLOCK_Q)
     q_mask = row_mask & (qs < Q)[None, :]
-    q_c = sum_splits(part_ptr, base + qs[None, :], q_mask, N_SPLITS, split_stride)
+    q_c = sum_splits(part_ptr, base + qs[None, :], q_mask, N_SPLITS, split_stride) * scale
     q_weight = tl.load(q_norm_ptr + qs, mask=qs < Q, other=0.0).to(tl.float32)
     q_c = rms_normalize(q_c, Q, eps, q_weight[None, :])
     tl.store(q_c_ptr + rows[:, None] * Q + qs[None, :], q_c, mask=q_mask)
     _kv_new_rows(
         part_ptr, kv_norm_ptr, positions_ptr, turns_ptr, kv_new_ptr, rows, N_SPLITS,
-        split_stride, B, Q, L, R, eps, BLOCK_L, BLOCK_HALF_R,
+        split_stride, B, Q, L, R, eps, BLOCK_L, BLOCK_HALF_R, scale,
     )  # fmt: skip
 
 
@@ -132,6 +141,7 @@ def _kv_new_rows(
     eps,
     BLOCK_L: tl.constexpr,
     BLOCK_HALF_R: tl.constexpr,
+    scale,  # (ROWS, 1) fp32: what the partials' sums are multiplied by first
 ):
     """kv_new of some tokens: [kv_a_layernorm(kv_c), rope(k_pe)] from the qkv_a partials."""
     row_mask = (rows < B)[:, None]  # (ROWS, 1)
@@ -139,7 +149,7 @@ def _kv_new_rows(
     out_row = kv_new_ptr + rows[:, None] * (L + R)  # (ROWS, 1)
     ls = tl.arange(0, BLOCK_L)
     l_mask = row_mask & (ls < L)[None, :]
-    kv_c = sum_splits(part_ptr, base + Q + ls[None, :], l_mask, N_SPLITS, split_stride)
+    kv_c = sum_splits(part_ptr, base + Q + ls[None, :], l_mask, N_SPLITS, split_stride) * scale
     kv_weight = tl.load(kv_norm_ptr + ls, mask=ls < L, other=0.0).to(tl.float32)
     kv_c = rms_normalize(kv_c, L, eps, kv_weight[None, :])
     tl.store(out_row + ls[None, :], kv_c, mask=l_mask)
@@ -147,8 +157,8 @@ def _kv_new_rows(
     pairs = tl.arange(0, BLOCK_HALF_R)
     pair_mask = row_mask & (pairs < R // 2)[None, :]
     even_at = base + Q + L + 2 * pairs[None, :]
-    even = sum_splits(part_ptr, even_at, pair_mask, N_SPLITS, split_stride)
-    odd = sum_splits(part_ptr, even_at + 1, pair_mask, N_SPLITS, split_stride)
+    even = sum_splits(part_ptr, even_at, pair_mask, N_SPLITS, split_stride) * scale
+    odd = sum_splits(part_ptr, even_at + 1, pair_mask, N_SPLITS, split_stride) * scale
     positions = tl.load(positions_ptr + rows, mask=rows < B, other=0).to(tl.float64)
     freqs = tl.load(turns_ptr + pairs, mask=pairs < R // 2, other=0.0)
     even, odd = rotate_pairs(even, odd, positions[:, None] * freqs[None, :])
@@ -166,8 +176,11 @@ def latent_prep(
     kv_new: torch.Tensor,
     eps: float,
     num_warps: int = 4,
+    input_norm: DeferredNorm | None = None,
 ) -> None:
-    """parts (splits, B, Q+L+R) fp32 -> q_c (B, Q) and kv_new (B, L+R), both bf16."""
+    """parts (splits, B, Q+L+R) fp32 -> q_c (B, Q) and kv_new (B, L+R), both bf16. With
+    `input_norm` (from triton_gemv.summed_gemv or cute_gemv's summed mode) the partials are of
+    the input not yet divided by its rms: each token's sums are divided by it first."""
     n_splits, batch, _ = parts.shape
     q_rank, lora = q_c.shape[1], kv_norm.shape[0]
     rope = kv_new.shape[1] - lora
@@ -193,6 +206,10 @@ def latent_prep(
         BLOCK_HALF_R=triton.next_power_of_2(rope // 2),
         num_warps=num_warps,
         **pdl_options(parts.device),
+        squares_ptr=parts if input_norm is None else input_norm.squares,
+        D=input_norm.width if input_norm else 1,
+        input_eps=input_norm.eps if input_norm else 0.0,
+        INPUT_NORM=input_norm is not None,
     )
 
 
@@ -214,8 +231,9 @@ FOLDED_STAGES = 3
 
 @dataclass(frozen=True)
 class DeferredNorm:
-    """q_b's partial sums were computed from q_a * weight, not yet divided by q_a's rms:
-    squares (splits, B) fp32, each K split's sum of q_a^2; width Q; the norm's eps."""
+    """A GEMV's partial sums were computed from x * (an RMSNorm's weight), x not yet divided by
+    its rms: squares (splits, B) fp32, each K split's sum of x^2; x's width; the norm's eps.
+    q_b's over q_a (q_b_folded), qkv_a's over the layer's input (summed_gemv)."""
 
     squares: torch.Tensor
     width: int
@@ -262,6 +280,7 @@ def _q_b_folded_kernel(
         _kv_new_rows(
             part_ptr, kv_norm_ptr, positions_ptr, turns_ptr, kv_new_ptr, tokens, N_SPLITS,
             split_stride, B, Q, L, R, eps, BLOCK_L, BLOCK_HALF_R,
+            tl.full((ROWS, 1), 1.0, tl.float32),
         )  # fmt: skip
     else:
         rows = tl.arange(0, BLOCK_M)

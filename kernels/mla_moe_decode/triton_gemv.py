@@ -20,6 +20,8 @@ atomics and no extra launch.
 `splitk_gemv_pair` runs two GEMVs in one grid, the second over its input's first part (the
 first's input) and a second part: the layer's o_proj and, with the router folded through the
 post-attention norm (fused.LayerPlan.router_in_o_proj), the router's logits before the norm.
+`summed_gemv` is splitk_gemv over the sum of two inputs, with the input RMSNorm folded into its
+weight (fused.LayerPlan.input_norm_in_qkv_a): it also keeps the sum and its sum of squares.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kernels.mla_moe_decode.triton_common import (
     pdl_options,
     prefetch_l2,
     prefetch_weights,
+    round_bf16,
     wait_for_previous_kernel,
 )
 
@@ -110,6 +113,32 @@ def _splitk_gemv_kernel(
 
 
 @triton.jit
+def _summed_gemv_kernel(
+    x_ptr,  # (M, K) bf16 contiguous
+    residual_ptr,  # (M, K) bf16 contiguous
+    w_ptr,  # (N, K) bf16 contiguous
+    part_ptr,  # (splits, M, N) fp32 out
+    sum_ptr,  # (M, K) bf16 out
+    squares_ptr,  # (splits, M) fp32 out
+    M,
+    N,
+    K,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    _gemv_tile(
+        x_ptr, residual_ptr, w_ptr, part_ptr, M, N, K, K, K, K, k_per_split,
+        tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PDL, PREFETCH,
+        False, sum_ptr, squares_ptr, True,
+    )  # fmt: skip
+
+
+@triton.jit
 def _gemv_pair_kernel(
     x_ptr,  # (M, K1) bf16, row stride stride_xm: the first GEMV's input, the second's first part
     extra_ptr,  # (M, K2 - K1) bf16, row stride stride_em: the second's other part
@@ -175,6 +204,9 @@ def _gemv_tile(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     TWO_PARTS: tl.constexpr,  # the input's columns from K_FIRST on come from x2_ptr
+    sum_ptr=None,  # SUM_INPUTS: (M, K) bf16 out, x + x2 (column block 0 writes it)
+    squares_ptr=None,  # SUM_INPUTS: (splits, M) fp32 out, each split's sum of (x + x2)^2
+    SUM_INPUTS: tl.constexpr = False,  # the input is bf16(x + x2), both (M, K), stride_xm
 ):
     """One program's (BLOCK_M, BLOCK_N) tile of one K split; see the module docstring."""
     rows = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
@@ -189,14 +221,19 @@ def _gemv_tile(
             prefetch_l2(w_rows + tl.minimum(line_ks, K - 1)[None, :])
     wait_for_previous_kernel(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k_offset in range(0, k_per_split, BLOCK_K):
         ks = k_start + k_offset + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         k_mask = ks < K
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + ks[None, :],
-            mask=row_mask[:, None] & (ks < K_FIRST)[None, :],
-            other=0.0,
-        )  # (BLOCK_M, BLOCK_K)
+        x_at = rows[:, None] * stride_xm + ks[None, :]
+        x_mask = row_mask[:, None] & (ks < K_FIRST)[None, :]
+        x = tl.load(x_ptr + x_at, mask=x_mask, other=0.0)  # (BLOCK_M, BLOCK_K)
+        if SUM_INPUTS:  # the residual add of the norm folded into the weight, rounded as there
+            summed = x.to(tl.float32) + tl.load(x2_ptr + x_at, mask=x_mask, other=0.0)
+            x = round_bf16(summed)
+            if column_block == 0:  # one program per K range keeps the sum and its squares
+                tl.store(sum_ptr + x_at, x, mask=x_mask)
+                squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
         if TWO_PARTS:  # a masked lane loads nothing, and adding 0 is exact
             x += tl.load(
                 x2_ptr + rows[:, None] * stride_x2m + (ks - K_FIRST)[None, :],
@@ -211,6 +248,9 @@ def _gemv_tile(
         acc = mma(x, tl.trans(w), acc, DOT_F32)
     out = part_ptr + split * M * N + rows[:, None] * N + cols[None, :]
     tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
+    if SUM_INPUTS:  # noqa: SIM102 - a constexpr test of its own, so Triton prunes the branch
+        if column_block == 0:
+            tl.store(squares_ptr + split * M + rows, squares, mask=row_mask)
 
 
 def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> torch.Tensor:
@@ -232,6 +272,29 @@ def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> to
         **_launch_options(x, blocks),
     )
     return parts
+
+
+def summed_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    blocks: GemvBlocks,
+    summed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """splitk_gemv over bf16(x + residual), the residual add of an RMSNorm folded into the
+    weight (fused.LayerPlan.input_norm_in_qkv_a): x, residual, summed (M, K) bf16 contiguous.
+    Writes the sum into `summed` and returns (partial sums (splits, M, N) fp32, each split's
+    sum of squares of the sum (splits, M) fp32), from which the consumer finds the rms."""
+    m, k = x.shape
+    n = weight.shape[0]
+    parts = torch.empty(blocks.splits, m, n, device=x.device, dtype=torch.float32)
+    squares = torch.empty(blocks.splits, m, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, blocks.block_n), blocks.splits)
+    _summed_gemv_kernel[grid](
+        x, residual, weight, parts, summed, squares, m, n, k, blocks.k_per_split,
+        **_launch_options(x, blocks),
+    )  # fmt: skip
+    return parts, squares
 
 
 def _launch_options(x: torch.Tensor, blocks: GemvBlocks) -> dict[str, object]:

@@ -44,7 +44,12 @@ from kernels.mla_moe_decode.triton_attention import (
     q_b_folded,
     w_uv,
 )
-from kernels.mla_moe_decode.triton_gemv import gemv_blocks, splitk_gemv, splitk_gemv_pair
+from kernels.mla_moe_decode.triton_gemv import (
+    gemv_blocks,
+    splitk_gemv,
+    splitk_gemv_pair,
+    summed_gemv,
+)
 from kernels.mla_moe_decode.triton_moe import MoeBlocks, fused_moe, route
 from kernels.mla_moe_decode.triton_norm import add_rmsnorm, add_rmsnorm_route
 from scopes.manifest import Tolerance, load_manifest_file
@@ -296,6 +301,66 @@ def test_fused_layer_with_the_router_gemv_and_routing_kernel_passes_the_harness_
     _plan_with(monkeypatch, router_in_o_proj=False, absorb_q=batch > 1)
     path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
     _assert_passes_the_harness_check(path, _case(batch, context), CPU)
+
+
+@pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])
+def test_fused_layer_with_the_input_norm_in_qkv_a_passes_the_harness_check(
+    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LayerPlan.input_norm_in_qkv_a (qkv_a's GEMV over x + residual with the norm's weight
+    folded in, latent_prep dividing by the rms) in the whole layer, also with the query
+    absorbed."""
+    _plan_with(monkeypatch, input_norm_in_qkv_a=True, absorb_q=batch > 1)
+    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
+    _assert_passes_the_harness_check(path, _case(batch, context), CPU)
+
+
+def test_input_norm_in_qkv_a_refuses_latent_prep_folded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folded q_b GEMV reads qkv_a's partials without the input's rms: the two folds
+    cannot both be on, and the layer says so rather than compute a wrong query."""
+    _plan_with(monkeypatch, input_norm_in_qkv_a=True, fold_latent_prep=True)
+    problem, case = Problem(CONFIG), _case(2, 8)
+    weights, inputs = problem.make_weights(case, 1, CPU), problem.make_inputs(case, 2, CPU)
+    with pytest.raises(ValueError, match="one or the other"):
+        fused.forward(weights, inputs, problem.make_outputs(case, CPU))
+
+
+def test_summed_gemv_is_the_gemv_of_the_rounded_sum_and_keeps_the_sum_and_its_squares() -> None:
+    """summed_gemv: the partial sums are splitk_gemv's over bf16(x + residual), bit for bit;
+    the sum is written (each element once, by column block 0's programs) and each K split's
+    sum of squares of it is its rows' squares over that split's K range."""
+    c, gen = LAYER, torch.Generator().manual_seed(11)
+    n, k = fused.gemv_shapes(c)["qkv_a"]
+    blocks = fused.layer_plan(c, 5, 8, False, 0).qkv_a
+    x, residual = (torch.randn(5, k, generator=gen).to(BF16) for _ in range(2))
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(BF16)
+    summed = torch.full_like(x, float("nan"))
+    parts, squares = summed_gemv(x, residual, weight, blocks, summed)
+    assert torch.equal(summed, x + residual)  # torch's bf16 add rounds to nearest even too
+    assert torch.equal(parts, splitk_gemv(x + residual, weight, blocks))
+    assert squares.shape == (blocks.splits, 5)
+    ranges = torch.arange(k).div(blocks.k_per_split, rounding_mode="floor")
+    for split in range(blocks.splits):
+        part = summed[:, ranges == split].double()
+        torch.testing.assert_close(squares[split].double(), (part * part).sum(1), rtol=1e-6, atol=0)
+
+
+def test_input_norm_weight_gives_qkv_a_of_the_norm_times_the_rms() -> None:
+    """(x + residual) @ input_norm_weight.T is qkv_a's GEMV over (x + residual) * norm_weight,
+    the input norm's output times the rms, to the weight's rounding; divided by the rms it is
+    the unfolded path's GEMV to the two roundings."""
+    c, gen = LAYER, torch.Generator().manual_seed(12)
+    n, k = fused.gemv_shapes(c)["qkv_a"]
+    qkv_a = (torch.randn(n, k, generator=gen) / k**0.5).to(BF16)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(BF16)
+    summed = torch.randn(5, k, generator=gen).to(BF16).double()
+    folded = fused.input_norm_weight(qkv_a, norm_weight)
+    assert folded.shape == qkv_a.shape and folded.dtype == BF16
+    got = summed @ folded.double().T
+    assert _relative(got, (summed * norm_weight.double()) @ qkv_a.double().T) < 4e-3
+    rms = summed.pow(2).mean(1, keepdim=True).add(c.rms_norm_eps).sqrt()
+    hidden = (summed / rms * norm_weight.double()).to(BF16).double()
+    assert _relative(got / rms, hidden @ qkv_a.double().T) < 8e-3
 
 
 def test_folded_router_weight_gives_the_logits_times_the_rms() -> None:
@@ -1191,6 +1256,7 @@ PLAN_CHANGES = {
     "absorb_q": True,
     "router_in_o_proj": False,
     "route_method": "rank",
+    "input_norm_in_qkv_a": True,
 }
 
 

@@ -1360,6 +1360,10 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | str | None]] = {
     # routing kernel, two kernels more); not the same bits: the fold's logits do not round the
     # norm's output first. The 2026-12-07 sweep ran it as "router in o_proj"
     "router in o_proj the other way": ("router_in_o_proj", None),
+    # the input RMSNorm folded into qkv_a's GEMV (its sum, squares and the norm's weight there,
+    # the division in latent_prep): kernel 1 gone; not the same bits (the norm's output is
+    # never rounded)
+    "input norm in qkv_a": ("input_norm_in_qkv_a", True),
 }
 
 

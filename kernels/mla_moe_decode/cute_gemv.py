@@ -20,7 +20,13 @@ the K range of each split are whole tiles (the host checks; the real shard's sha
 last split may hold fewer tiles than the others (k_tiles is not always a multiple of the
 splits).
 
-Compiled once per (tiles, N, K, K per split); the batch M is a runtime argument, so one
+Summed mode (`summed_gemv`, triton_gemv.summed_gemv's contract: qkv_a with the input RMSNorm
+folded in, fused.LayerPlan.input_norm_in_qkv_a): the residual's tiles are copied beside x's and
+added to them in registers after ldmatrix, rounded once, before the MMAs; while the first tiles
+land, each row of the split's K range is summed again, stored (bf16) and its squares reduced by
+one CTA of the split (column block c takes rows c, c + blocks, ...).
+
+Compiled once per (tiles, N, K, K per split, mode); the batch M is a runtime argument, so one
 compiled kernel serves every batch of one block_m. Launched with raw pointers on the current
 torch stream, so a CUDA graph captures it (see cute_kernels, which this module shares its
 lazy import with). On a machine without nvidia-cutlass-dsl the module imports and
@@ -63,23 +69,49 @@ def supported(m: int, n: int, k: int, blocks: GemvBlocks) -> str | None:
 def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> torch.Tensor:
     """x (M, K) bf16 contiguous, weight (N, K) bf16 contiguous -> partial sums (splits, M, N)
     fp32 whose sum over splits is x @ weight.T. Compiles on the first call for these tiles."""
+    _check(x, weight, blocks)
+    m, k = x.shape
+    parts = torch.empty(blocks.splits, m, weight.shape[0], device=x.device, dtype=torch.float32)
+    _launch(blocks, weight.shape[0], k, False)(x, weight, parts, x, x, parts)
+    return parts
+
+
+def summed_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    blocks: GemvBlocks,
+    summed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """triton_gemv.summed_gemv's contract: the GEMV over bf16(x + residual), the sum written
+    into `summed` (M, K) bf16 and returned with each split's sum of its squares (splits, M)."""
+    _check(x, weight, blocks, residual, summed)
+    m, k = x.shape
+    parts = torch.empty(blocks.splits, m, weight.shape[0], device=x.device, dtype=torch.float32)
+    squares = torch.empty(blocks.splits, m, device=x.device, dtype=torch.float32)
+    _launch(blocks, weight.shape[0], k, True)(x, weight, parts, residual, summed, squares)
+    return parts, squares
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks, *more: torch.Tensor) -> None:
     if not (x.is_cuda and weight.is_cuda):
         raise ValueError("CuTe DSL GEMV: runs on the GPU only (the Triton kernel stands in)")
-    m, k = x.shape
-    n = weight.shape[0]
-    why = supported(m, n, k, blocks)
+    why = supported(x.shape[0], weight.shape[0], x.shape[1], blocks)
     if why is not None:
         raise ValueError(f"CuTe DSL GEMV: {why}")
-    for name, t in (("x", x), ("weight", weight)):
+    for name, t in (("x", x), ("weight", weight), *(("x's peers", t) for t in more)):
         if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.data_ptr() % 16:
             raise ValueError(f"CuTe DSL GEMV: {name} must be bf16, contiguous, 16-byte aligned")
-    parts = torch.empty(blocks.splits, m, n, device=x.device, dtype=torch.float32)
-    key = (blocks.block_m, blocks.block_k, blocks.num_stages, n, k, blocks.k_per_split)
+    if any(t.shape != x.shape for t in more):
+        raise ValueError("CuTe DSL GEMV: the residual and the sum must have x's shape")
+
+
+def _launch(blocks: GemvBlocks, n: int, k: int, summed: bool) -> Callable[..., None]:
+    key = (blocks.block_m, blocks.block_k, blocks.num_stages, n, k, blocks.k_per_split, summed)
     launcher = _launchers.get(key)
     if launcher is None:
-        launcher = _launchers[key] = _launcher(compile_kernel(*key))
-    launcher(x, weight, parts)
-    return parts
+        launcher = _launchers[key] = _launcher(compile_kernel(*key[:-1], summed=summed))
+    return launcher
 
 
 def compile_kernel(
@@ -90,33 +122,35 @@ def compile_kernel(
     k: int,
     k_per_split: int,
     keep_ptx: bool = False,
+    summed: bool = False,
 ) -> Any:
     """The compiled kernel for these tiles and shapes (CuTe DSL's executor; with keep_ptx its
     `__ptx__` is the PTX, and CuTe DSL also writes it to CUTE_DSL_DUMP_DIR, by default the
-    working directory). Compiles
+    working directory); `summed`: summed_gemv's. Compiles
     without a GPU when CUTE_DSL_ARCH names the target (sm_90a for the H200)."""
     cuda_driver, cutlass, cute, _ = cute_kernels.import_cute()
-    launch = _define(block_m, block_k, stages, n, k, k_per_split)
+    launch = _define(block_m, block_k, stages, n, k, k_per_split, summed)
     compile_ = cute.compile[cute.KeepPTX] if keep_ptx else cute.compile
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
     return compile_(
         launch,
-        _pointer(cutlass.BFloat16, 16),
-        _pointer(cutlass.BFloat16, 16),
-        _pointer(cutlass.Float32, 16),
+        *(_pointer(dtype, 16) for dtype in (bf16, bf16, f32, bf16, bf16, f32)),
         cutlass.Int32(1),
         cute_kernels.current_stream(cuda_driver),
     )
 
 
 def _launcher(compiled: Any) -> Callable[..., None]:
+    """Runs the compiled kernel on (x, weight, parts, residual, summed, squares); the last
+    three are read or written only by a summed kernel."""
     cuda_driver, cutlass, _, _ = cute_kernels.import_cute()
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
 
-    def run(x: torch.Tensor, weight: torch.Tensor, parts: torch.Tensor) -> None:
+    def run(*tensors: torch.Tensor) -> None:
+        dtypes = (bf16, bf16, f32, bf16, bf16, f32)
         compiled(
-            _pointer(cutlass.BFloat16, x.data_ptr()),
-            _pointer(cutlass.BFloat16, weight.data_ptr()),
-            _pointer(cutlass.Float32, parts.data_ptr()),
-            cutlass.Int32(x.shape[0]),
+            *(_pointer(dtype, t.data_ptr()) for dtype, t in zip(dtypes, tensors, strict=True)),
+            cutlass.Int32(tensors[0].shape[0]),
             cute_kernels.current_stream(cuda_driver),
         )
 
@@ -129,11 +163,11 @@ def _pointer(dtype: Any, address: int) -> Any:
 
 
 def _define(
-    block_m: int, block_k: int, stages: int, n: int, k: int, k_per_split: int
+    block_m: int, block_k: int, stages: int, n: int, k: int, k_per_split: int, summed: bool
 ) -> Callable[..., None]:
     """The kernel and its host-side launch function (a @cute.jit) for these tiles and shapes."""
     cuda_driver, cutlass, cute, _ = cute_kernels.import_cute()
-    bf16 = cutlass.BFloat16
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
     block_n = WARPS * 16
     threads = WARPS * 32
     splits = -(-k // k_per_split)
@@ -142,7 +176,15 @@ def _define(
     num_k_blocks = block_k // MMA_SHAPE[2]
 
     @cute.kernel
-    def kernel(m_x: cute.Tensor, m_w: cute.Tensor, m_parts: cute.Tensor, rows: cutlass.Int32):
+    def kernel(
+        m_x: cute.Tensor,
+        m_w: cute.Tensor,
+        m_parts: cute.Tensor,
+        rows: cutlass.Int32,
+        m_r: cute.Tensor,  # summed: the residual, (rows, k)
+        m_sum: cute.Tensor,  # summed: out, bf16(x + residual), (rows, k)
+        m_squares: cute.Tensor,  # summed: out, (rows, splits) fp32
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         column_block, split, _ = cute.arch.block_idx()
         first_tile = split * tiles_per_split
@@ -151,6 +193,9 @@ def _define(
         smem = cutlass.utils.SmemAllocator()
         s_x = smem.allocate_tensor(bf16, smem_layout(cute, block_m, block_k, stages), 16)
         s_w = smem.allocate_tensor(bf16, smem_layout(cute, block_n, block_k, stages), 16)
+        if cutlass.const_expr(summed):  # the residual's tiles beside x's
+            s_r = smem.allocate_tensor(bf16, smem_layout(cute, block_m, block_k, stages), 16)
+            warp_sums = smem.allocate_tensor(f32, cute.make_layout(WARPS), 16)
 
         # Global tiles: (rows, block_k, k tiles) of x (all rows) and of this CTA's weight rows;
         # the identity tensor of x gives each copied row's index, for the rows < M predicate.
@@ -165,6 +210,9 @@ def _define(
         t_gx, t_sx = thr_g2s.partition_S(g_x), thr_g2s.partition_D(s_x)
         t_gw, t_sw = thr_g2s.partition_S(g_w), thr_g2s.partition_D(s_w)
         t_cx = thr_g2s.partition_S(c_x)
+        if cutlass.const_expr(summed):
+            g_r = cute.local_tile(m_r, tiler=(block_m, block_k), coord=(0, None))
+            t_gr, t_sr = thr_g2s.partition_S(g_r), thr_g2s.partition_D(s_r)
         # one predicate per copied row of x (each copy is 8 elements of one row)
         x_row_ok = cute.make_rmem_tensor(
             cute.make_layout(
@@ -179,6 +227,8 @@ def _define(
 
         # The padding rows of x stay zero in every stage: zero them before any copy lands.
         t_sx.fill(0)
+        if cutlass.const_expr(summed):
+            t_sr.fill(0)
         cute.arch.sync_threads()
 
         # Prologue: tiles 0 .. stages - 2 in flight, one commit group each (an empty group past
@@ -188,8 +238,38 @@ def _define(
                 tile = first_tile + stage
                 cute.copy(g2s, t_gx[None, None, None, tile], t_sx[None, None, None, stage],
                           pred=x_row_ok)  # fmt: skip
+                if cutlass.const_expr(summed):
+                    cute.copy(g2s, t_gr[None, None, None, tile], t_sr[None, None, None, stage],
+                              pred=x_row_ok)  # fmt: skip
                 cute.copy(g2s, t_gw[None, None, None, tile], t_sw[None, None, None, stage])
             cute.arch.cp_async_commit_group()
+
+        if cutlass.const_expr(summed):
+            # While the first tiles land: the sum and its squares over this split's K range,
+            # each row by one CTA of the split (column block c takes rows c, c + blocks, ...).
+            # The values are the ones the MMAs take (the same fp32 add, rounded to nearest).
+            k_start = first_tile * block_k
+            k_len = tile_count * block_k
+            for row in cutlass.range(column_block, rows, n // block_n):
+                square_sum = f32(0.0)
+                for j in cutlass.range(tidx, k_len, threads):
+                    column = k_start + j
+                    value = (m_x[row, column].to(f32) + m_r[row, column].to(f32)).to(bf16)
+                    m_sum[row, column] = value
+                    square_sum = square_sum + value.to(f32) * value.to(f32)
+                for step in cutlass.range_constexpr(5):  # butterfly: offsets 16, 8, 4, 2, 1
+                    square_sum = square_sum + cute.arch.shuffle_sync_bfly(
+                        square_sum, offset=16 >> step
+                    )
+                # every lane stores its warp's sum, and every thread the row's (the same bits):
+                # no divergent branch near a barrier (cute_kernels.add_rmsnorm says why)
+                warp_sums[cute.arch.warp_idx()] = square_sum
+                cute.arch.sync_threads()
+                total = f32(0.0)
+                for warp in cutlass.range_constexpr(WARPS):
+                    total = total + warp_sums[warp]
+                m_squares[row, split] = total
+                cute.arch.sync_threads()  # warp_sums is the next row's
 
         # smem -> registers (ldmatrix x4) in the layouts the MMA wants.
         mma = tiled_mma(cute, cutlass)
@@ -200,6 +280,9 @@ def _define(
         s2r_w = cute.make_tiled_copy_B(ldmatrix_atom(cute, bf16), mma).get_slice(tidx)
         t_sx_read, t_rx = s2r_x.partition_S(s_x), s2r_x.retile(r_x)
         t_sw_read, t_rw = s2r_w.partition_S(s_w), s2r_w.retile(r_w)
+        if cutlass.const_expr(summed):
+            r_r = mma.make_fragment_A(thr_mma.partition_A(s_r)[None, None, None, 0])
+            t_sr_read, t_rr = s2r_x.partition_S(s_r), s2r_x.retile(r_r)
 
         g_out = cute.local_tile(
             m_parts[None, None, split], tiler=(block_m, block_n), coord=(0, column_block)
@@ -216,12 +299,19 @@ def _define(
             for kb in cutlass.range_constexpr(num_k_blocks):
                 cute.copy(s2r_x, t_sx_read[None, None, kb, stage], t_rx[None, None, kb])
                 cute.copy(s2r_w, t_sw_read[None, None, kb, stage], t_rw[None, None, kb])
+                if cutlass.const_expr(summed):  # x + residual, rounded, is the MMA's operand
+                    cute.copy(s2r_x, t_sr_read[None, None, kb, stage], t_rr[None, None, kb])
+                    a, b = r_x[None, None, kb], r_r[None, None, kb]
+                    a.store((a.load().to(f32) + b.load().to(f32)).to(bf16))
                 cute.gemm(mma, acc, r_x[None, None, kb], r_w[None, None, kb], acc)
             ahead = t + stages - 1
             if ahead < tile_count:
                 refill = ahead % stages
                 cute.copy(g2s, t_gx[None, None, None, first_tile + ahead],
                           t_sx[None, None, None, refill], pred=x_row_ok)  # fmt: skip
+                if cutlass.const_expr(summed):
+                    cute.copy(g2s, t_gr[None, None, None, first_tile + ahead],
+                              t_sr[None, None, None, refill], pred=x_row_ok)  # fmt: skip
                 cute.copy(g2s, t_gw[None, None, None, first_tile + ahead],
                           t_sw[None, None, None, refill])  # fmt: skip
             cute.arch.cp_async_commit_group()
@@ -240,15 +330,23 @@ def _define(
         x_ptr: cute.Pointer,
         w_ptr: cute.Pointer,
         parts_ptr: cute.Pointer,
+        r_ptr: cute.Pointer,
+        sum_ptr: cute.Pointer,
+        squares_ptr: cute.Pointer,
         rows: cutlass.Int32,
         stream: cuda_driver.CUstream,
     ):
-        m_x = cute.make_tensor(x_ptr, cute.make_layout((rows, k), stride=(k, 1)))
+        by_row = cute.make_layout((rows, k), stride=(k, 1))
+        m_x = cute.make_tensor(x_ptr, by_row)
         m_w = cute.make_tensor(w_ptr, cute.make_layout((n, k), stride=(k, 1)))
         m_parts = cute.make_tensor(
             parts_ptr, cute.make_layout((rows, n, splits), stride=(n, 1, rows * n))
         )
-        kernel(m_x, m_w, m_parts, rows).launch(
+        m_squares = cute.make_tensor(
+            squares_ptr, cute.make_layout((rows, splits), stride=(1, rows))
+        )
+        m_r, m_sum = cute.make_tensor(r_ptr, by_row), cute.make_tensor(sum_ptr, by_row)
+        kernel(m_x, m_w, m_parts, rows, m_r, m_sum, m_squares).launch(
             grid=[n // block_n, splits, 1], block=[threads, 1, 1], stream=stream
         )
 

@@ -57,6 +57,27 @@ def test_the_gemv_compiles_to_tensor_core_mmas_for_every_projection(batch: int) 
         assert ".local" not in ptx  # no stack arrays: everything in registers or shared memory
 
 
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_the_summed_gemv_adds_the_residual_before_its_mmas(batch: int) -> None:
+    """qkv_a's GEMV over x + residual (LayerPlan.input_norm_in_qkv_a): the same MMAs per K
+    tile, the residual's tiles copied and read beside x's (ldmatrix x4 half again as many), the
+    adds in bf16 pairs (one rounding of the exact sum, as fp32 then bf16 give for two bf16
+    values), the squares reduced across the warp, nothing spilled."""
+    c = LayerConfig.from_model_config(dict(load_manifest_file(SCOPE).model.config))
+    blocks = fused.layer_plan(c, batch, 1024, True, H200_SMS).qkv_a
+    n, k = fused.gemv_shapes(c)["qkv_a"]
+    key = (blocks.block_m, blocks.block_k, blocks.num_stages, n, k, blocks.k_per_split)
+    plain = cute_gemv.compile_kernel(*key, keep_ptx=True).__ptx__
+    ptx = cute_gemv.compile_kernel(*key, keep_ptx=True, summed=True).__ptx__
+    mma = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
+    assert len(re.findall(mma, ptx)) == len(re.findall(mma, plain))
+    ldmatrix = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+    x_reads = (blocks.block_k // 16) * (blocks.block_m // 16)  # per K tile
+    assert ptx.count(ldmatrix) == plain.count(ldmatrix) + x_reads
+    assert "add.rn.bf16x2" in ptx or "add.bf16x2" in ptx
+    assert "shfl.sync.bfly.b32" in ptx and ".local" not in ptx
+
+
 @pytest.mark.parametrize(("block_m", "block_k"), [(16, 128), (64, 64)])
 def test_the_gemv_indexes_its_partitions_as_the_kernel_assumes(block_m: int, block_k: int) -> None:
     """The kernel slices its thread partitions by mode: [..., tile] of the global K tiles,

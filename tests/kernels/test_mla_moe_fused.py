@@ -1248,6 +1248,31 @@ def test_cute_gemv_partials_match_the_triton_kernels_on_the_gpu(batch: int) -> N
         assert _relative(cute_parts.double().sum(0), expected) < 1e-5, name
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 37, 64])
+def test_cute_summed_gemv_matches_the_triton_one_on_the_gpu(batch: int) -> None:
+    """cute_gemv.summed_gemv against triton_gemv.summed_gemv with qkv_a's H200 tiles: the same
+    sum x + residual (bit for bit), the same partial sums up to the order of the MMAs'
+    products, and the same squares per split up to the order of their adds; rows past the
+    batch untouched."""
+    c = LayerConfig.from_model_config(dict(load_manifest_file(SCOPE).model.config))
+    plan = fused.layer_plan(
+        c, batch, 1024, True, torch.cuda.get_device_properties(0).multi_processor_count
+    )
+    n, k = fused.gemv_shapes(c)["qkv_a"]
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    x, residual = (torch.randn(batch, k, generator=gen, device="cuda").to(BF16) for _ in "ab")
+    weight = (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).to(BF16)
+    cute_sum, triton_sum = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    cute_parts, cute_squares = cute_gemv.summed_gemv(x, residual, weight, plan.qkv_a, cute_sum)
+    parts, squares = summed_gemv(x, residual, weight, plan.qkv_a, triton_sum)
+    assert torch.equal(cute_sum, x + residual) and torch.equal(triton_sum, x + residual)
+    torch.testing.assert_close(cute_parts, parts, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cute_squares, squares, rtol=1e-5, atol=0)
+    expected = (x + residual).double() @ weight.double().T
+    assert _relative(cute_parts.double().sum(0), expected) < 1e-5
+
+
 # LayerPlan changes the GPU tests take: the GEMVs in CuTe DSL, latent_prep folded into q_b, the
 # query absorbed, each on; the router GEMV and the routing kernel (the fold off)
 PLAN_CHANGES = {

@@ -1364,13 +1364,22 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | str | None]] = {
     # the division in latent_prep): kernel 1 gone; not the same bits (the norm's output is
     # never rounded)
     "input norm in qkv_a": ("input_norm_in_qkv_a", True),
+    # the combine and w_uv as one kernel (triton_attention.combine_w_uv); o_lat never stored
+    "w_uv in the combine": ("w_uv_in_combine", True),
+    # both, the layer two kernels shorter
+    "input norm in qkv_a, w_uv in the combine": ("input_norm_in_qkv_a+w_uv_in_combine", True),
 }
 
 
 def with_plan_value(
     plan: fused.LayerPlan, field_name: str, value: int | bool | str | None
 ) -> fused.LayerPlan:
-    """The plan with one small kernel's launch field changed (None: the plan's switch flipped)."""
+    """The plan with one small kernel's launch field changed (None: the plan's switch flipped);
+    fields joined by "+" are each changed so."""
+    if "+" in field_name:
+        for one in field_name.split("+"):
+            plan = with_plan_value(plan, one, value)
+        return plan
     owner: Any = plan.attention if hasattr(plan.attention, field_name) else plan
     change = {field_name: not getattr(owner, field_name) if value is None else value}
     if owner is plan.attention:

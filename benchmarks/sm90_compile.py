@@ -14,6 +14,7 @@ Run it without TRITON_INTERPRET (the interpreter replaces the kernels the compil
     python3 benchmarks/sm90_compile.py [--batches 1 8 64] [--contexts 1024 32768]
         [--moe plan|run18|run19] [--gemv plan|triton|cute] [--fold-latent-prep]
         [--absorb-q plan|on|off] [--router-in-o-proj plan|on|off]
+        [--input-norm-in-qkv-a] [--w-uv-in-combine]
         [--out pathgate-out/benchmarks/sm90_compile.json] [--ptx DIR]
 
 It prints one row per launch and writes the rows as JSON. The compiler is this machine's
@@ -142,25 +143,41 @@ def recording(plan: fused.LayerPlan | None) -> Iterator[list[Launch]]:
     def record_cute(x: torch.Tensor, *_: Any) -> None:
         launches.append(Launch("cute_kernels.add_rmsnorm (CuTe DSL)", (x.shape[0],)))
 
-    def record_cute_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: Any) -> torch.Tensor:
+    def record_cute_gemv(
+        x: torch.Tensor, weight: torch.Tensor, blocks: Any, summed: bool = False
+    ) -> torch.Tensor:
         n, k = weight.shape
         key = (blocks.block_m, blocks.block_k, blocks.num_stages, n, k, blocks.k_per_split)
         grid = (n // blocks.block_n, blocks.splits)
-        launches.append(Launch("cute_gemv.splitk_gemv (CuTe DSL)", grid, cute_gemv=key))
+        name = "cute_gemv.summed_gemv" if summed else "cute_gemv.splitk_gemv"
+        launches.append(Launch(f"{name} (CuTe DSL)", grid, cute_gemv=(*key, summed)))
         return _meta(blocks.splits, x.shape[0], n, dtype=torch.float32)
+
+    def record_cute_summed(
+        x: torch.Tensor, _: torch.Tensor, weight: torch.Tensor, blocks: Any, __: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = record_cute_gemv(x, weight, blocks, summed=True)
+        return parts, _meta(blocks.splits, x.shape[0], dtype=torch.float32)
 
     def h200_plan(c: LayerConfig, x: torch.Tensor, context: int) -> fused.LayerPlan:
         return plan or fused.layer_plan(c, x.shape[0], context, True, H200_SMS)
 
-    saved = (JITFunction.run, fused.input_add_rmsnorm, fused._plan, cute_gemv.splitk_gemv)
+    saved = (
+        JITFunction.run, fused.input_add_rmsnorm, fused._plan, cute_gemv.splitk_gemv,
+        cute_gemv.summed_gemv,
+    )  # fmt: skip
     JITFunction.run = record  # type: ignore[method-assign]
     fused.input_add_rmsnorm = record_cute  # type: ignore[assignment]
     fused._plan = h200_plan  # type: ignore[assignment]
     cute_gemv.splitk_gemv = record_cute_gemv  # type: ignore[assignment]
+    cute_gemv.summed_gemv = record_cute_summed  # type: ignore[assignment]
     try:
         yield launches
     finally:
-        (JITFunction.run, fused.input_add_rmsnorm, fused._plan, cute_gemv.splitk_gemv) = saved  # type: ignore[method-assign,assignment]
+        (
+            JITFunction.run, fused.input_add_rmsnorm, fused._plan, cute_gemv.splitk_gemv,
+            cute_gemv.summed_gemv,
+        ) = saved  # type: ignore[method-assign,assignment]  # fmt: skip
 
 
 def layer_launches(batch: int, context: int, plan: fused.LayerPlan | None = None) -> list[Launch]:
@@ -218,21 +235,22 @@ def compile_cute_gemv(
 ) -> Compiled:
     """Compile a CuTe DSL GEMV launch for sm_90a, assemble its PTX with ptxas (Triton's) for
     the registers and spills; its shared memory is its stages of (block_m + block_n) x block_k
-    bf16 tiles. CuTe DSL keeps the PTX it writes in a temporary folder (CUTE_DSL_DUMP_DIR)."""
-    block_m, block_k, stages, *_ = key
+    bf16 tiles, and the residual's block_m x block_k when summed. CuTe DSL keeps the PTX it
+    writes in a temporary folder (CUTE_DSL_DUMP_DIR)."""
+    block_m, block_k, stages, *_, summed = key
     result.num_warps, result.num_stages = cute_gemv.WARPS, stages
-    names = ("block_m", "block_k", "stages", "n", "k", "k_per_split")
+    names = ("block_m", "block_k", "stages", "n", "k", "k_per_split", "summed")
     result.constexprs = dict(zip(names, key, strict=True))
     start = time.perf_counter()
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="sm90-compile-cute-"))
     try:
-        ptx = cute_gemv.compile_kernel(*key, keep_ptx=True).__ptx__
+        ptx = cute_gemv.compile_kernel(*key[:-1], keep_ptx=True, summed=bool(summed)).__ptx__
         cubin = _ptxas(ptx)
     except Exception as error:  # every compiler failure is a finding to report
         result.error = f"{type(error).__name__}: {error}".strip()[:2000]
         return result
     result.compile_s = round(time.perf_counter() - start, 2)
-    shared = (block_m + cute_gemv.WARPS * 16) * block_k * 2 * stages
+    shared = ((2 if summed else 1) * block_m + cute_gemv.WARPS * 16) * block_k * 2 * stages
     return _resources(result, ptx, cubin, shared, ptx_path)
 
 
@@ -305,6 +323,8 @@ def compile_layer(
     fold_latent_prep: bool = False,
     absorb_q: str = "plan",
     router_in_o_proj: str = "plan",
+    input_norm_in_qkv_a: bool = False,
+    w_uv_in_combine: bool = False,
 ) -> list[Compiled]:
     plan = fused.layer_plan(LayerConfig(), batch, context, True, H200_SMS)
     if moe in ("run18", "run19"):
@@ -316,7 +336,8 @@ def compile_layer(
     folded = plan.router_in_o_proj if router_in_o_proj == "plan" else router_in_o_proj == "on"
     plan = replace(
         plan, gemv_cute=gemv_cute, fold_latent_prep=fold_latent_prep, absorb_q=absorbed,
-        router_in_o_proj=folded,
+        router_in_o_proj=folded, input_norm_in_qkv_a=input_norm_in_qkv_a,
+        w_uv_in_combine=w_uv_in_combine,
     )  # fmt: skip
     launches = layer_launches(batch, context, plan)
     case_dir = ptx_dir and ptx_dir / f"{batch}x{context}"
@@ -376,6 +397,17 @@ def main(argv: list[str] | None = None) -> int:
         "batch), or off: the router GEMV and the routing kernel, two kernels more",
     )
     parser.add_argument(
+        "--input-norm-in-qkv-a",
+        action="store_true",
+        help="the input RMSNorm folded into qkv_a's GEMV (LayerPlan.input_norm_in_qkv_a): "
+        "kernel 1 gone",
+    )
+    parser.add_argument(
+        "--w-uv-in-combine",
+        action="store_true",
+        help="the combine and w_uv as one kernel (LayerPlan.w_uv_in_combine)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("pathgate-out/benchmarks/sm90_compile.json")
     )
     parser.add_argument(
@@ -403,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             args.fold_latent_prep,
             args.absorb_q,
             args.router_in_o_proj,
+            args.input_norm_in_qkv_a,
+            args.w_uv_in_combine,
         )
     ]
     print_table(rows)
@@ -413,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         "fold_latent_prep": args.fold_latent_prep,
         "absorb_q": args.absorb_q,
         "router_in_o_proj": args.router_in_o_proj,
+        "input_norm_in_qkv_a": args.input_norm_in_qkv_a,
+        "w_uv_in_combine": args.w_uv_in_combine,
         "triton": triton.__version__,
         "torch": torch.__version__,
         "launches": [asdict(row) for row in rows],

@@ -75,6 +75,7 @@ from kernels.mla_moe_decode.triton_attention import (
     latent_prep,
     mla_attention,
     mla_attention_cp,
+    mla_attention_w_uv,
     q_absorb,
     q_b_folded,
     w_uv,
@@ -278,6 +279,12 @@ class LayerPlan:
     # above). The CuTe DSL GEMV's summed mode where gemv_cute is on, else the Triton GEMV's.
     # Not with fold_latent_prep. Off until `--sweep-small-kernels` measures it
     input_norm_in_qkv_a: bool = False
+    # the combine and w_uv as one kernel (triton_attention.combine_w_uv): each program merges
+    # one token's head and multiplies it through W_UV, so o_lat never leaves it; W_UV is read
+    # once per token (8 MB from L2 at batch 8), hence meant for small batches. One kernel
+    # fewer. Single-GPU only (decode CP merges the ranks' splits first). Off until
+    # `--sweep-small-kernels` measures it
+    w_uv_in_combine: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -549,14 +556,19 @@ def _attention_and_routing(
             q = dense_gemv(q_c, w["q_b_proj"], plan.q_b, plan)
     if unfinished is None:
         q_absorb(q, w["kv_b_proj"], positions, turns, q_lat, nope, v_dim, plan.attention, deferred)
-    o_lat = x.new_empty(batch, c.heads, c.kv_lora_rank)
     scale = c.qk_head_dim**-0.5  # the stock softmax scale (YaRN's mscale left out, as there)
     group = cp_group()
+    o = x.new_empty(batch, c.heads * v_dim)
+    if group is None and plan.w_uv_in_combine:
+        mla_attention_w_uv(
+            q_lat, cache, out["kv_new"], w["kv_b_proj"], o, nope, scale, plan.attention, unfinished
+        )
+        return _o_proj_and_routing(c, w, plan, o, inputs, input_sum, out)
+    o_lat = x.new_empty(batch, c.heads, c.kv_lora_rank)
     if group is None:
         mla_attention(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, unfinished)
     else:  # decode CP: `cache` is this rank's slice; the ranks' partials merge exactly
         mla_attention_cp(q_lat, cache, out["kv_new"], o_lat, scale, plan.attention, group)
-    o = x.new_empty(batch, c.heads * v_dim)
     w_uv(o_lat, w["kv_b_proj"], o, nope, plan.attention)
     return _o_proj_and_routing(c, w, plan, o, inputs, input_sum, out)
 

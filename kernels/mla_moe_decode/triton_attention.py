@@ -13,6 +13,9 @@ N = nope dim, V = v dim; the cache row is L + R wide (latent | roped key).
                   -> o_lat (B, H, L).          program per (token, head block, L block)
     w_uv          o = o_lat @ W_UV per head -> (B, H*V), o_proj's input.
                                                                   program per (head, V block)
+    combine_w_uv  mla_combine and w_uv in one kernel (fused.LayerPlan.w_uv_in_combine): each
+                  program merges one token's head a chunk of L at a time and multiplies it
+                  through W_UV.                          program per (token, head, V block)
 
 Precision (ROUNDING in triton_common.py): a value is rounded to bf16 where it leaves as bf16:
 q_c, kv_new, the absorbed query, o_lat and o are stored so, q_nope is an MMA operand, and
@@ -72,6 +75,8 @@ class AttentionBlocks:
     # session; the GPU plan keeps them above batch 8, where they measured faster
     # (`mla_moe_device_check.py --sweep-small-kernels`)
     mask_every_tile: bool = False
+    # V columns per program of the combine that also applies W_UV (combine_w_uv)
+    combine_uv_cols: int = 64
 
 
 # fused_qkv_a partial sums -> q_a_layernorm(q_c), kv_new
@@ -738,6 +743,24 @@ def mla_attention(
     _combine(stats, partial, q_lat, kv_new, o_lat, None, scale, blocks)
 
 
+def mla_attention_w_uv(
+    q_lat: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_new: torch.Tensor,
+    kv_b_proj: torch.Tensor,
+    o: torch.Tensor,
+    nope: int,
+    scale: float,
+    blocks: AttentionBlocks,
+    unfinished: UnfinishedQuery | None = None,
+) -> None:
+    """mla_attention then w_uv as two kernels: the split kernel, then combine_w_uv -> o
+    (B, H*V) bf16, o_proj's input."""
+    lora = kv_b_proj.shape[1]
+    stats, partial = _split_partials(q_lat, kv_cache, lora, scale, blocks, unfinished)
+    combine_w_uv(stats, partial, q_lat, kv_new, kv_b_proj, o, nope, scale, blocks)
+
+
 def absorbed_q_weight(
     q_b_proj: torch.Tensor, kv_b_proj: torch.Tensor, heads: int, nope: int, v_dim: int
 ) -> torch.Tensor:
@@ -907,6 +930,122 @@ def _combine(
         FINAL=merged is None,
         num_warps=blocks.combine_warps,
         **pdl_options(stats[0].device),
+    )
+
+
+# the combine and W_UV in one kernel: o = combine(splits) @ W_UV per head
+
+
+@triton.jit
+def _combine_w_uv_kernel(
+    max_ptr,  # (B, S, H) fp32
+    sum_ptr,  # (B, S, H) fp32
+    acc_ptr,  # (B, S, H, L) fp32
+    q_lat_ptr,  # (B, H, L + R) bf16
+    kv_new_ptr,  # (B, L + R) bf16
+    kv_b_ptr,  # (H * (N + V), L) bf16
+    o_ptr,  # (B, H * V) bf16 out
+    n_splits,
+    H,
+    NOPE,
+    V,
+    L,
+    R,
+    scale_log2,
+    BLOCK_S: tl.constexpr,
+    BLOCK_SC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One (token, head, V block): the combine's attention row (_mla_combine_kernel's FINAL
+    math, the splits merged by their log-sum-exp with the new token), a chunk of latent
+    columns at a time, each chunk rounded to bf16 as the combine stores o_lat, then through
+    the head's W_UV rows of this V block as _w_uv_kernel multiplies it. o_lat never leaves the
+    program: one kernel and one dependent round trip fewer than the combine then w_uv."""
+    wait_for_previous_kernel(PDL)
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    width = L + R
+    ds = tl.arange(0, BLOCK_D)
+    d_mask = ds < width
+    q = tl.load(q_lat_ptr + (row * H + head) * width + ds, mask=d_mask, other=0.0)
+    k_new = tl.load(kv_new_ptr + row * width + ds, mask=d_mask, other=0.0)
+    score_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=0) * scale_log2
+    splits = tl.arange(0, BLOCK_S)
+    stat_at = (row * n_splits + splits) * H + head
+    split_max = tl.load(max_ptr + stat_at, mask=splits < n_splits, other=float("-inf"))
+    split_sum = tl.load(sum_ptr + stat_at, mask=splits < n_splits, other=0.0)
+    total_max = tl.maximum(tl.max(split_max, axis=0), score_new)
+    weight_new = tl.exp2(score_new - total_max)
+    total = tl.sum(tl.exp2(split_max - total_max) * split_sum, axis=0)
+    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_mask = vs < V
+    w_rows = kv_b_ptr + (head * (NOPE + V) + NOPE + vs)[:, None] * L  # (BLOCK_V, 1)
+    out = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for first in range(0, L, BLOCK_K):
+        ls = first + tl.arange(0, BLOCK_K)
+        l_mask = ls < L
+        o_lat = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for chunk_first in range(0, n_splits, BLOCK_SC):
+            chunk = chunk_first + tl.arange(0, BLOCK_SC)
+            chunk_mask = chunk < n_splits
+            chunk_at = (row * n_splits + chunk) * H + head
+            chunk_max = tl.load(max_ptr + chunk_at, mask=chunk_mask, other=float("-inf"))
+            partial = tl.load(
+                acc_ptr + chunk_at[:, None] * L + ls[None, :],
+                mask=chunk_mask[:, None] & l_mask[None, :],
+                other=0.0,
+            )  # (BLOCK_SC, BLOCK_K)
+            o_lat += tl.sum(tl.exp2(chunk_max - total_max)[:, None] * partial, axis=0)
+        latent_new = tl.load(kv_new_ptr + row * width + ls, mask=l_mask, other=0.0)
+        o_lat += weight_new * latent_new.to(tl.float32)
+        o_lat = round_bf16(o_lat / (total + weight_new)).to(tl.float32)
+        w = tl.load(w_rows + ls[None, :], mask=v_mask[:, None] & l_mask[None, :], other=0.0)
+        out += tl.sum(w.to(tl.float32) * o_lat[None, :], axis=1)
+    tl.store(o_ptr + row * H * V + head * V + vs, round_bf16(out), mask=v_mask)
+
+
+def combine_w_uv(
+    stats: torch.Tensor,
+    partial: torch.Tensor,
+    q_lat: torch.Tensor,
+    kv_new: torch.Tensor,
+    kv_b_proj: torch.Tensor,
+    o: torch.Tensor,
+    nope: int,
+    scale: float,
+    blocks: AttentionBlocks,
+) -> None:
+    """The split kernel's stats (2, B, S, H) and partials (B, S, H, L) -> o (B, H*V) bf16: the
+    combine (the splits and the new token, normalized, rounded) then W_UV, in one kernel."""
+    batch, splits, heads, lora = partial.shape
+    width = q_lat.shape[2]
+    v_dim = o.shape[1] // heads
+    grid = (batch, heads, triton.cdiv(v_dim, blocks.combine_uv_cols))
+    _combine_w_uv_kernel[grid](
+        stats[0],
+        stats[1],
+        partial,
+        q_lat,
+        kv_new,
+        kv_b_proj,
+        o,
+        splits,
+        heads,
+        nope,
+        v_dim,
+        lora,
+        width - lora,
+        scale * LOG2E,
+        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_SC=min(16, triton.next_power_of_2(splits)),
+        BLOCK_K=min(64, triton.next_power_of_2(lora)),
+        BLOCK_V=blocks.combine_uv_cols,
+        BLOCK_D=triton.next_power_of_2(width),
+        num_warps=blocks.combine_warps,
+        **pdl_options(stats.device),
     )
 
 

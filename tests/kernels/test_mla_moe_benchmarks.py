@@ -153,11 +153,14 @@ def test_small_kernel_sweep_times_each_change_against_the_plan(tmp_path: Path) -
     # the interpreter ignores num_warps, and the routing orders give the same bits anyway; the
     # folded latent_prep rounds q_a * weight where the plan rounds q_c, and the absorbed query
     # rounds its weight where the plan rounds q_nope, and the folded router does not round the
-    # norm's output: other bits
+    # norm's output, nor does the input norm folded into qkv_a: other bits. The combine with
+    # w_uv in it rounds o_lat where the combine does and sums in the same order here: the same
     expected = dict.fromkeys(SMALL_KERNEL_VARIANTS, True)
     expected["latent_prep folded into q_b"] = False
     expected["query absorbed the other way"] = False
     expected["router in o_proj the other way"] = False
+    expected["input norm in qkv_a"] = False
+    expected["input norm in qkv_a, w_uv in the combine"] = False
     assert rows[0]["same_bits"] == expected
     assert all(rows[0]["us"][v] > 0 and rows[0]["off_us"][v] > 0 for v in SMALL_KERNEL_VARIANTS)
 
@@ -238,10 +241,11 @@ def test_with_plan_value_changes_that_kernel_alone(batch: int) -> None:
     plan = fused.layer_plan(LayerConfig(), batch, 1024, True, 132)
     for field_name, value in SMALL_KERNEL_VARIANTS.values():
         expected = dataclasses.asdict(plan)
-        owner = expected["attention"] if field_name in expected["attention"] else expected
-        value = not owner[field_name] if value is None else value
-        assert owner[field_name] != value  # the plan's own value is the "off" variant
-        owner[field_name] = value
+        for one in field_name.split("+"):  # a variant may change several fields
+            owner = expected["attention"] if one in expected["attention"] else expected
+            one_value = not owner[one] if value is None else value
+            assert owner[one] != one_value  # the plan's own value is the "off" variant
+            owner[one] = one_value
         assert dataclasses.asdict(with_plan_value(plan, field_name, value)) == expected
 
 

@@ -315,6 +315,17 @@ def test_fused_layer_with_the_input_norm_in_qkv_a_passes_the_harness_check(
     _assert_passes_the_harness_check(path, _case(batch, context), CPU)
 
 
+@pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])
+def test_fused_layer_with_w_uv_in_the_combine_passes_the_harness_check(
+    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LayerPlan.w_uv_in_combine (triton_attention.combine_w_uv) in the whole layer, also with
+    the query absorbed and the input norm folded into qkv_a."""
+    _plan_with(monkeypatch, w_uv_in_combine=True, absorb_q=batch > 1, input_norm_in_qkv_a=True)
+    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
+    _assert_passes_the_harness_check(path, _case(batch, context), CPU)
+
+
 def test_input_norm_in_qkv_a_refuses_latent_prep_folded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The folded q_b GEMV reads qkv_a's partials without the input's rms: the two folds
     cannot both be on, and the layer says so rather than compute a wrong query."""
@@ -917,6 +928,39 @@ def test_w_uv_projects_each_head() -> None:
     assert _bf16_ulps(o, expected) <= 1.0
 
 
+@pytest.mark.parametrize("gpu_plan", [False, True])
+@pytest.mark.parametrize(("batch", "context"), [(1, 1), (3, 70), (8, 201), (5, 300)])
+def test_combine_w_uv_is_the_combine_then_w_uv(batch: int, context: int, gpu_plan: bool) -> None:
+    """mla_attention_w_uv (the combine and W_UV in one kernel) against mla_attention then w_uv:
+    the same o to the fp32 order of the merge's and the projection's sums (each o_lat chunk is
+    rounded to bf16 in both), and as close to the float64 attention through W_UV. gpu_plan:
+    the H200's tiles and splits (up to 70 splits here), run by the interpreter."""
+    c, gen = LAYER, torch.Generator().manual_seed(context + batch)
+    nope, v_dim, lora, width = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank, c.latent_dim
+    q_lat = (torch.randn(batch, c.heads, width, generator=gen) * 2).to(BF16)
+    cache = torch.randn(batch, context, width, generator=gen).to(BF16)
+    kv_new = torch.randn(batch, width, generator=gen).to(BF16)
+    kv_b = (torch.randn(c.heads * (nope + v_dim), lora, generator=gen) / 8).to(BF16)
+    plan = fused.layer_plan(LAYER, batch, context, on_gpu=gpu_plan, sm_count=132).attention
+    scale = c.qk_head_dim**-0.5
+    o_lat = torch.empty(batch, c.heads, lora, dtype=BF16)
+    two_kernels, merged = (
+        torch.full((batch, c.heads * v_dim), float("nan"), dtype=BF16) for _ in "ab"
+    )
+    mla_attention(q_lat, cache, kv_new, o_lat, scale, plan)
+    w_uv(o_lat, kv_b, two_kernels, nope, plan)
+    triton_attention.mla_attention_w_uv(q_lat, cache, kv_new, kv_b, merged, nope, scale, plan)
+    # the same bits here on the interpreter; a GPU's MMAs may order w_uv's products otherwise.
+    # Unrounded o_lat chunks would be about 2e-3 away.
+    assert _relative(merged, two_kernels) < 1e-4
+    attention = stock._latent_attention(
+        q_lat.double(), cache.double(), kv_new.double(), lora, scale
+    )
+    w_uv_ref = kv_b.double().view(c.heads, nope + v_dim, lora)[:, nope:]  # (H, V, L)
+    exact = torch.einsum("bhl,hvl->bhv", attention, w_uv_ref).reshape(batch, -1)
+    assert _relative(merged, exact) <= 1.5 * _relative(two_kernels, exact)
+
+
 def test_routing_picks_the_biased_top_k_and_weighs_by_the_unbiased_scores() -> None:
     c, gen = LAYER, torch.Generator().manual_seed(5)
     parts = torch.randn(3, 20, c.experts_total, generator=gen)
@@ -1282,6 +1326,7 @@ PLAN_CHANGES = {
     "router_in_o_proj": False,
     "route_method": "rank",
     "input_norm_in_qkv_a": True,
+    "w_uv_in_combine": True,
 }
 
 

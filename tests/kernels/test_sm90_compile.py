@@ -207,6 +207,30 @@ def test_the_router_gemv_and_routing_kernel_compile_for_sm90_two_kernels_more(
             assert launch["error"] == "" and launch["spill_bytes"] == 0, (batch, launch)
 
 
+def test_the_input_norm_and_w_uv_folds_compile_for_sm90_two_kernels_fewer(
+    tmp_path: Path,
+) -> None:
+    """--input-norm-in-qkv-a --w-uv-in-combine: kernel 1 gone into qkv_a's GEMV (the summed
+    GEMV, CuTe DSL where the plan takes it), and the combine and w_uv as one kernel, each
+    without spills (10 kernels at batch <= 4, 8 above)."""
+    args = ["--batches", "1", "8", "64", "--contexts", "1024", "--input-norm-in-qkv-a"]
+    gemv = [] if HAS_CUTE else ["--gemv", "triton"]
+    report = _run_tool(tmp_path / "folds.json", *args, "--w-uv-in-combine", *gemv)
+    for (batch, _), launches in _by_case(report).items():
+        planned = _plan_kernels(batch)
+        summed = "cute_gemv.summed_gemv (CuTe DSL)" if planned[1] == CUTE_GEMV else None
+        combine = planned.index("_mla_combine_kernel")
+        expected = [
+            summed or "_summed_gemv_kernel",
+            *planned[2:combine],
+            "_combine_w_uv_kernel",
+            *planned[combine + 2 :],
+        ]
+        assert [launch["kernel"] for launch in launches] == expected, batch
+        for launch in launches:
+            assert launch["error"] == "" and launch["spill_bytes"] == 0, (batch, launch)
+
+
 BAD_KERNEL = """
 import json, sys
 from dataclasses import asdict

@@ -953,17 +953,17 @@ def _combine_w_uv_kernel(
     R,
     scale_log2,
     BLOCK_S: tl.constexpr,
-    BLOCK_SC: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One (token, head, V block): the combine's attention row (_mla_combine_kernel's FINAL
-    math, the splits merged by their log-sum-exp with the new token), a chunk of latent
-    columns at a time, each chunk rounded to bf16 as the combine stores o_lat, then through
-    the head's W_UV rows of this V block as _w_uv_kernel multiplies it. o_lat never leaves the
-    program: one kernel and one dependent round trip fewer than the combine then w_uv."""
+    math, the splits merged by their log-sum-exp with the new token), BLOCK_K latent columns
+    of every split at a time, each chunk rounded to bf16 as the combine stores o_lat, then
+    through the head's W_UV rows of this V block as _w_uv_kernel multiplies it. o_lat never
+    leaves the program: one kernel and one dependent round trip fewer than the combine then
+    w_uv. A chunk's loads do not depend on the one before, so the loop pipelines."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -974,37 +974,52 @@ def _combine_w_uv_kernel(
     k_new = tl.load(kv_new_ptr + row * width + ds, mask=d_mask, other=0.0)
     score_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=0) * scale_log2
     splits = tl.arange(0, BLOCK_S)
+    s_mask = splits < n_splits
     stat_at = (row * n_splits + splits) * H + head
-    split_max = tl.load(max_ptr + stat_at, mask=splits < n_splits, other=float("-inf"))
-    split_sum = tl.load(sum_ptr + stat_at, mask=splits < n_splits, other=0.0)
+    split_max = tl.load(max_ptr + stat_at, mask=s_mask, other=float("-inf"))
+    split_sum = tl.load(sum_ptr + stat_at, mask=s_mask, other=0.0)
     total_max = tl.maximum(tl.max(split_max, axis=0), score_new)
     weight_new = tl.exp2(score_new - total_max)
-    total = tl.sum(tl.exp2(split_max - total_max) * split_sum, axis=0)
+    rescale = tl.exp2(split_max - total_max)  # (BLOCK_S,), 0 past the splits
+    total = tl.sum(rescale * split_sum, axis=0)
     vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_mask = vs < V
     w_rows = kv_b_ptr + (head * (NOPE + V) + NOPE + vs)[:, None] * L  # (BLOCK_V, 1)
+    new_row = kv_new_ptr + row * width
+    partials = acc_ptr + stat_at[:, None] * L  # (BLOCK_S, 1)
+    # Each chunk's loads are issued before the chunk before it is computed: two chunks in
+    # flight. (Triton pipelines only loads that feed an MMA; these feed sums.)
+    chunk = _combine_w_uv_loads(partials, s_mask, new_row, w_rows, v_mask, 0, L, BLOCK_K)
     out = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for first in range(0, L, BLOCK_K):
-        ls = first + tl.arange(0, BLOCK_K)
-        l_mask = ls < L
-        o_lat = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for chunk_first in range(0, n_splits, BLOCK_SC):
-            chunk = chunk_first + tl.arange(0, BLOCK_SC)
-            chunk_mask = chunk < n_splits
-            chunk_at = (row * n_splits + chunk) * H + head
-            chunk_max = tl.load(max_ptr + chunk_at, mask=chunk_mask, other=float("-inf"))
-            partial = tl.load(
-                acc_ptr + chunk_at[:, None] * L + ls[None, :],
-                mask=chunk_mask[:, None] & l_mask[None, :],
-                other=0.0,
-            )  # (BLOCK_SC, BLOCK_K)
-            o_lat += tl.sum(tl.exp2(chunk_max - total_max)[:, None] * partial, axis=0)
-        latent_new = tl.load(kv_new_ptr + row * width + ls, mask=l_mask, other=0.0)
+        partial, latent_new, w = chunk
+        chunk = _combine_w_uv_loads(
+            partials, s_mask, new_row, w_rows, v_mask, first + BLOCK_K, L, BLOCK_K
+        )
+        o_lat = tl.sum(rescale[:, None] * partial, axis=0)
         o_lat += weight_new * latent_new.to(tl.float32)
         o_lat = round_bf16(o_lat / (total + weight_new)).to(tl.float32)
-        w = tl.load(w_rows + ls[None, :], mask=v_mask[:, None] & l_mask[None, :], other=0.0)
         out += tl.sum(w.to(tl.float32) * o_lat[None, :], axis=1)
     tl.store(o_ptr + row * H * V + head * V + vs, round_bf16(out), mask=v_mask)
+
+
+@triton.jit
+def _combine_w_uv_loads(partials, s_mask, new_row, w_rows, v_mask, first, L, BLOCK_K: tl.constexpr):
+    """One chunk of latent columns for combine_w_uv: every split's partial sums (BLOCK_S,
+    BLOCK_K) fp32, the new token's latent (BLOCK_K,) and W_UV's (BLOCK_V, BLOCK_K); zeros past L
+    (the chunk after the last is loaded and never used)."""
+    ls = first + tl.arange(0, BLOCK_K)
+    l_mask = ls < L
+    partial = tl.load(partials + ls[None, :], mask=s_mask[:, None] & l_mask[None, :], other=0.0)
+    latent_new = tl.load(new_row + ls, mask=l_mask, other=0.0)
+    w = tl.load(w_rows + ls[None, :], mask=v_mask[:, None] & l_mask[None, :], other=0.0)
+    return partial, latent_new, w
+
+
+# fp32 values per thread in one (splits, latent columns) chunk of combine_w_uv's partial sums:
+# the chunk's columns (at most 64, at least 16) give way to the split count, as the combine's
+# do: 64 at batch 8 (16 splits), 16 at batch 1 (132 splits, 256 rows of the chunk).
+COMBINE_UV_VALUES = 16
 
 
 def combine_w_uv(
@@ -1023,6 +1038,8 @@ def combine_w_uv(
     batch, splits, heads, lora = partial.shape
     width = q_lat.shape[2]
     v_dim = o.shape[1] // heads
+    block_s = triton.next_power_of_2(splits)
+    block_k = max(16, min(64, COMBINE_UV_VALUES * 32 * blocks.combine_warps // block_s))
     grid = (batch, heads, triton.cdiv(v_dim, blocks.combine_uv_cols))
     _combine_w_uv_kernel[grid](
         stats[0],
@@ -1039,9 +1056,8 @@ def combine_w_uv(
         lora,
         width - lora,
         scale * LOG2E,
-        BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_SC=min(16, triton.next_power_of_2(splits)),
-        BLOCK_K=min(64, triton.next_power_of_2(lora)),
+        BLOCK_S=block_s,
+        BLOCK_K=min(block_k, triton.next_power_of_2(lora)),
         BLOCK_V=blocks.combine_uv_cols,
         BLOCK_D=triton.next_power_of_2(width),
         num_warps=blocks.combine_warps,

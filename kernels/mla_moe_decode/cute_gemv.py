@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from kernels.mla_moe_decode import cute_kernels
+from kernels.mla_moe_decode.triton_common import pdl_options
 from kernels.mla_moe_decode.triton_gemv import GemvBlocks
 
 WARPS = 4
@@ -72,7 +73,7 @@ def splitk_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> to
     _check(x, weight, blocks)
     m, k = x.shape
     parts = torch.empty(blocks.splits, m, weight.shape[0], device=x.device, dtype=torch.float32)
-    _launch(blocks, weight.shape[0], k, False)(x, weight, parts, x, x, parts)
+    _launch(x.device, blocks, weight.shape[0], k, False)(x, weight, parts, x, x, parts)
     return parts
 
 
@@ -89,7 +90,7 @@ def summed_gemv(
     m, k = x.shape
     parts = torch.empty(blocks.splits, m, weight.shape[0], device=x.device, dtype=torch.float32)
     squares = torch.empty(blocks.splits, m, device=x.device, dtype=torch.float32)
-    _launch(blocks, weight.shape[0], k, True)(x, weight, parts, residual, summed, squares)
+    _launch(x.device, blocks, weight.shape[0], k, True)(x, weight, parts, residual, summed, squares)
     return parts, squares
 
 
@@ -106,11 +107,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks, *more: tor
         raise ValueError("CuTe DSL GEMV: the residual and the sum must have x's shape")
 
 
-def _launch(blocks: GemvBlocks, n: int, k: int, summed: bool) -> Callable[..., None]:
-    key = (blocks.block_m, blocks.block_k, blocks.num_stages, n, k, blocks.k_per_split, summed)
-    launcher = _launchers.get(key)
+def _launch(
+    device: torch.device, blocks: GemvBlocks, n: int, k: int, summed: bool
+) -> Callable[..., None]:
+    pdl = int(pdl_options(device)["PDL"])
+    key = (blocks.block_m, blocks.block_k, blocks.num_stages, n, k, blocks.k_per_split)
+    launcher = _launchers.get((*key, summed, pdl))
     if launcher is None:
-        launcher = _launchers[key] = _launcher(compile_kernel(*key[:-1], summed=summed))
+        compiled = compile_kernel(*key, summed=summed, pdl=pdl)
+        launcher = _launchers[(*key, summed, pdl)] = _launcher(compiled)
     return launcher
 
 
@@ -123,13 +128,15 @@ def compile_kernel(
     k_per_split: int,
     keep_ptx: bool = False,
     summed: bool = False,
+    pdl: int = 0,
 ) -> Any:
     """The compiled kernel for these tiles and shapes (CuTe DSL's executor; with keep_ptx its
     `__ptx__` is the PTX, and CuTe DSL also writes it to CUTE_DSL_DUMP_DIR, by default the
-    working directory); `summed`: summed_gemv's. Compiles
+    working directory); `summed`: summed_gemv's; `pdl`: the kernel's level of programmatic
+    dependent launch (triton_common.pdl_options: 0 none, 1 wait, 2 release then wait). Compiles
     without a GPU when CUTE_DSL_ARCH names the target (sm_90a for the H200)."""
     cuda_driver, cutlass, cute, _ = cute_kernels.import_cute()
-    launch = _define(block_m, block_k, stages, n, k, k_per_split, summed)
+    launch = _define(block_m, block_k, stages, n, k, k_per_split, summed, pdl)
     compile_ = cute.compile[cute.KeepPTX] if keep_ptx else cute.compile
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     return compile_(
@@ -163,7 +170,14 @@ def _pointer(dtype: Any, address: int) -> Any:
 
 
 def _define(
-    block_m: int, block_k: int, stages: int, n: int, k: int, k_per_split: int, summed: bool
+    block_m: int,
+    block_k: int,
+    stages: int,
+    n: int,
+    k: int,
+    k_per_split: int,
+    summed: bool,
+    pdl: int,
 ) -> Callable[..., None]:
     """The kernel and its host-side launch function (a @cute.jit) for these tiles and shapes."""
     cuda_driver, cutlass, cute, _ = cute_kernels.import_cute()
@@ -185,6 +199,7 @@ def _define(
         m_sum: cute.Tensor,  # summed: out, bf16(x + residual), (rows, k)
         m_squares: cute.Tensor,  # summed: out, (rows, splits) fp32
     ):
+        cute_kernels.wait_for_previous_kernel(cute, pdl)
         tidx, _, _ = cute.arch.thread_idx()
         column_block, split, _ = cute.arch.block_idx()
         first_tile = split * tiles_per_split
@@ -347,7 +362,7 @@ def _define(
         )
         m_r, m_sum = cute.make_tensor(r_ptr, by_row), cute.make_tensor(sum_ptr, by_row)
         kernel(m_x, m_w, m_parts, rows, m_r, m_sum, m_squares).launch(
-            grid=[n // block_n, splits, 1], block=[threads, 1, 1], stream=stream
+            grid=[n // block_n, splits, 1], block=[threads, 1, 1], stream=stream, use_pdl=pdl > 0
         )
 
     return launch

@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 
+from kernels.mla_moe_decode.triton_common import pdl_options
+
 VECTOR = 8  # bf16 elements per 128-bit access
 WARP = 32
 
-_launchers: dict[int, Callable[..., None]] = {}
+_launchers: dict[tuple[int, int], Callable[..., None]] = {}
 
 
 class CuteUnavailableError(RuntimeError):
@@ -59,9 +61,10 @@ def add_rmsnorm(
     """x, residual (B, D) bf16 contiguous, 16-byte aligned; weight (D,) bf16 -> out and
     residual_out (B, D) bf16. Builds and compiles the kernel on the first call for this D."""
     hidden = x.shape[1]
-    launcher = _launchers.get(hidden)
+    pdl = int(pdl_options(x.device)["PDL"])
+    launcher = _launchers.get((hidden, pdl))
     if launcher is None:
-        launcher = _launchers[hidden] = _build(hidden)
+        launcher = _launchers[(hidden, pdl)] = _build(hidden, pdl=pdl)
     launcher(x, residual, weight, out, residual_out, eps)
 
 
@@ -79,9 +82,10 @@ def import_cute() -> tuple[Any, Any, Any, Any]:
     return cuda_driver, cutlass, cute, make_ptr
 
 
-def _build(hidden: int, threads: int | None = None) -> Callable[..., None]:
+def _build(hidden: int, threads: int | None = None, pdl: int = 0) -> Callable[..., None]:
     """Define, compile and wrap the kernel for rows of `hidden` elements (`threads` per CTA:
-    threads_for(hidden) unless a probe asks for another exact tiling)."""
+    threads_for(hidden) unless a probe asks for another exact tiling; `pdl`: its level of
+    programmatic dependent launch, as wait_for_previous_kernel takes it)."""
     cuda_driver, cutlass, cute, make_ptr = import_cute()
     threads = threads or threads_for(hidden)
     if hidden % (threads * VECTOR):
@@ -98,6 +102,7 @@ def _build(hidden: int, threads: int | None = None) -> Callable[..., None]:
         m_residual_out: cute.Tensor,  # (B, D)
         eps: cutlass.Float32,
     ):
+        wait_for_previous_kernel(cute, pdl)
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), bf16, num_bits_per_copy=128)
@@ -167,7 +172,7 @@ def _build(hidden: int, threads: int | None = None) -> Callable[..., None]:
             cute.make_tensor(out_ptr, rows),
             cute.make_tensor(residual_out_ptr, rows),
             eps,
-        ).launch(grid=[batch, 1, 1], block=[threads, 1, 1], stream=stream)
+        ).launch(grid=[batch, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=pdl > 0)
 
     def pointer(address: int) -> Any:
         return make_ptr(bf16, address, cute.AddressSpace.gmem, assumed_align=16)
@@ -197,6 +202,16 @@ def _build(hidden: int, threads: int | None = None) -> Callable[..., None]:
         )
 
     return run
+
+
+def wait_for_previous_kernel(cute: Any, pdl: int) -> None:
+    """triton_common.wait_for_previous_kernel for a CuTe DSL kernel, traced at the start of
+    its body (`pdl` is a Python int: the branches are decided while tracing). With the launch
+    attribute (use_pdl) the kernel may start before the one before it has finished."""
+    if pdl >= 2:
+        cute.arch.griddepcontrol_launch_dependents()
+    if pdl >= 1:
+        cute.arch.griddepcontrol_wait()
 
 
 def current_stream(cuda_driver: Any) -> Any:

@@ -26,7 +26,8 @@
   (and spin) for the whole kernel. "prefetch": "early", and the GEMVs ask L2 for their weight
   slice (memory nothing in the layer writes) before they wait. Measured on the H200
   (docs/mla_moe_notes.md): "early" and "prefetch" were 2-11% slower than "off", same bits.
-  A non-PDL kernel (the CuTe DSL norm, any torch op) waits for everything before it as usual.
+  The CuTe DSL kernels take the same mode (cute_kernels.wait_for_previous_kernel); a non-PDL
+  launch (any torch op) waits for everything before it as usual.
 """
 
 from __future__ import annotations

@@ -78,6 +78,21 @@ def test_the_summed_gemv_adds_the_residual_before_its_mmas(batch: int) -> None:
     assert "shfl.sync.bfly.b32" in ptx and ".local" not in ptx
 
 
+def test_the_cute_kernels_wait_for_the_previous_kernel_under_dependent_launch() -> None:
+    """With a PDL level (triton_common.dependent_launch "exit": 1, "early": 2) the GEMV waits
+    (griddepcontrol.wait) before its first read of anything a kernel before it wrote, and at 2
+    first releases its successor; at 0 neither. The input norm builds at each level too."""
+    c = LayerConfig.from_model_config(dict(load_manifest_file(SCOPE).model.config))
+    blocks = fused.layer_plan(c, 8, 1024, True, H200_SMS).qkv_a
+    n, k = fused.gemv_shapes(c)["qkv_a"]
+    key = (blocks.block_m, blocks.block_k, blocks.num_stages, n, k, blocks.k_per_split)
+    for pdl in (0, 1, 2):
+        ptx = cute_gemv.compile_kernel(*key, keep_ptx=True, summed=True, pdl=pdl).__ptx__
+        assert ("griddepcontrol.wait" in ptx) == (pdl >= 1), pdl
+        assert ("griddepcontrol.launch_dependents" in ptx) == (pdl >= 2), pdl
+        assert callable(cute_kernels._build(7168, pdl=pdl))
+
+
 @pytest.mark.parametrize(("block_m", "block_k"), [(16, 128), (64, 64)])
 def test_the_gemv_indexes_its_partitions_as_the_kernel_assumes(block_m: int, block_k: int) -> None:
     """The kernel slices its thread partitions by mode: [..., tile] of the global K tiles,

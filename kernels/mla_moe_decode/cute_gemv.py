@@ -188,6 +188,7 @@ def _define(
     tiles_per_split = k_per_split // block_k
     k_tiles = k // block_k
     num_k_blocks = block_k // MMA_SHAPE[2]
+    side_per_thread = -(-k_per_split // threads)  # summed: a row's K range over the threads
 
     @cute.kernel
     def kernel(
@@ -263,15 +264,26 @@ def _define(
             # While the first tiles land: the sum and its squares over this split's K range,
             # each row by one CTA of the split (column block c takes rows c, c + blocks, ...).
             # The values are the ones the MMAs take (the same fp32 add, rounded to nearest).
+            # A thread's loads are unconditional (past the range it reads the last column
+            # again) and all come before its stores, which might alias them as far as the
+            # compiler knows: they are in flight together, one round trip a row.
             k_start = first_tile * block_k
             k_len = tile_count * block_k
             for row in cutlass.range(column_block, rows, n // block_n):
+                xs = cute.make_rmem_tensor(cute.make_layout(side_per_thread), bf16)
+                rs = cute.make_rmem_tensor(cute.make_layout(side_per_thread), bf16)
+                for i in cutlass.range_constexpr(side_per_thread):
+                    column = k_start + cutlass.min(tidx + i * threads, k_len - 1)
+                    xs[i] = m_x[row, column]
+                    rs[i] = m_r[row, column]
                 square_sum = f32(0.0)
-                for j in cutlass.range(tidx, k_len, threads):
-                    column = k_start + j
-                    value = (m_x[row, column].to(f32) + m_r[row, column].to(f32)).to(bf16)
-                    m_sum[row, column] = value
-                    square_sum = square_sum + value.to(f32) * value.to(f32)
+                for i in cutlass.range_constexpr(side_per_thread):
+                    value = (xs[i].to(f32) + rs[i].to(f32)).to(bf16)
+                    in_range = tidx + i * threads < k_len
+                    square = value.to(f32) * value.to(f32)
+                    square_sum = square_sum + f32(cutlass.select_(in_range, square, f32(0.0)))
+                    if in_range:
+                        m_sum[row, k_start + tidx + i * threads] = value
                 for step in cutlass.range_constexpr(5):  # butterfly: offsets 16, 8, 4, 2, 1
                     square_sum = square_sum + cute.arch.shuffle_sync_bfly(
                         square_sum, offset=16 >> step

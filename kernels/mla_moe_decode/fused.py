@@ -23,6 +23,10 @@ o_proj's input and the layer's residual sum, run as more programs of o_proj's la
 norm kernel, which finds the rms, divides and picks the experts (sigmoid, biased top-k,
 weights). With router_in_o_proj off, o_proj, the norm, the router GEMV and the routing are
 four kernels (14 per layer), as through the fortieth session.
+Two more folds are built and off until a GPU measures them: LayerPlan.input_norm_in_qkv_a
+(kernel 1 in kernel 2: qkv_a's GEMV over x + residual with the norm's weight folded in, its rms
+divided out by kernel 3) and LayerPlan.w_uv_in_combine (kernels 7 and 8 as one): with both, 10
+kernels at batch <= 4 and 8 above.
 The GEMVs 2 and 4 (and o_proj, the router with the fold off) also exist in CuTe DSL
 (cute_gemv: the same tiles and partial sums on mma.sync), which the plan takes on the GPU at
 batch <= 8 (LayerPlan.gemv_cute); kernels 3 and 4 exist as one launch

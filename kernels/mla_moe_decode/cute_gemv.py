@@ -138,23 +138,27 @@ def compile_kernel(
     cuda_driver, cutlass, cute, _ = cute_kernels.import_cute()
     launch = _define(block_m, block_k, stages, n, k, k_per_split, summed, pdl)
     compile_ = cute.compile[cute.KeepPTX] if keep_ptx else cute.compile
-    bf16, f32 = cutlass.BFloat16, cutlass.Float32
     return compile_(
         launch,
-        *(_pointer(dtype, 16) for dtype in (bf16, bf16, f32, bf16, bf16, f32)),
+        *(_pointer(dtype, 16) for dtype in _operand_types(cutlass)),
         cutlass.Int32(1),
         cute_kernels.current_stream(cuda_driver),
     )
 
 
-def _launcher(compiled: Any) -> Callable[..., None]:
-    """Runs the compiled kernel on (x, weight, parts, residual, summed, squares); the last
-    three are read or written only by a summed kernel."""
-    cuda_driver, cutlass, _, _ = cute_kernels.import_cute()
+def _operand_types(cutlass: Any) -> tuple[Any, ...]:
+    """The element types of the launch's pointers: x, weight, parts, residual, summed,
+    squares (the last three read or written only by a summed kernel)."""
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    return (bf16, bf16, f32, bf16, bf16, f32)
+
+
+def _launcher(compiled: Any) -> Callable[..., None]:
+    """Runs the compiled kernel on tensors in _operand_types' order."""
+    cuda_driver, cutlass, _, _ = cute_kernels.import_cute()
+    dtypes = _operand_types(cutlass)
 
     def run(*tensors: torch.Tensor) -> None:
-        dtypes = (bf16, bf16, f32, bf16, bf16, f32)
         compiled(
             *(_pointer(dtype, t.data_ptr()) for dtype, t in zip(dtypes, tensors, strict=True)),
             cutlass.Int32(tensors[0].shape[0]),

@@ -291,37 +291,23 @@ def test_fused_layer_with_the_query_absorbed_passes_the_harness_correctness_chec
     _assert_passes_the_harness_check(path, _case(batch, context), CPU)
 
 
+# LayerPlan changes the CPU tests run through the harness check in the whole layer, each with
+# the query absorbed above batch 1: the router GEMV and the routing kernel (the fold off: four
+# kernels, as through the fortieth session); the input norm folded into qkv_a's GEMV (latent_prep
+# dividing by the rms); the combine and w_uv as one kernel, with the input norm folded too
+CPU_PLAN_CHANGES: dict[str, dict[str, object]] = {
+    "router GEMV and routing kernel": {"router_in_o_proj": False},
+    "input norm in qkv_a": {"input_norm_in_qkv_a": True},
+    "w_uv in the combine": {"w_uv_in_combine": True, "input_norm_in_qkv_a": True},
+}
+
+
+@pytest.mark.parametrize("change", list(CPU_PLAN_CHANGES))
 @pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])
-def test_fused_layer_with_the_router_gemv_and_routing_kernel_passes_the_harness_check(
-    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
+def test_fused_layer_with_a_plan_change_passes_the_harness_check(
+    change: str, batch: int, context: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """LayerPlan.router_in_o_proj off (o_proj, the norm, the router GEMV and the routing as
-    four kernels, as through the fortieth session) in the whole layer, also with the query
-    absorbed."""
-    _plan_with(monkeypatch, router_in_o_proj=False, absorb_q=batch > 1)
-    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
-    _assert_passes_the_harness_check(path, _case(batch, context), CPU)
-
-
-@pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])
-def test_fused_layer_with_the_input_norm_in_qkv_a_passes_the_harness_check(
-    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """LayerPlan.input_norm_in_qkv_a (qkv_a's GEMV over x + residual with the norm's weight
-    folded in, latent_prep dividing by the rms) in the whole layer, also with the query
-    absorbed."""
-    _plan_with(monkeypatch, input_norm_in_qkv_a=True, absorb_q=batch > 1)
-    path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
-    _assert_passes_the_harness_check(path, _case(batch, context), CPU)
-
-
-@pytest.mark.parametrize(("batch", "context"), [(1, 1), (6, 33), (16, 256)])
-def test_fused_layer_with_w_uv_in_the_combine_passes_the_harness_check(
-    batch: int, context: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """LayerPlan.w_uv_in_combine (triton_attention.combine_w_uv) in the whole layer, also with
-    the query absorbed and the input norm folded into qkv_a."""
-    _plan_with(monkeypatch, w_uv_in_combine=True, absorb_q=batch > 1, input_norm_in_qkv_a=True)
+    _plan_with(monkeypatch, **CPU_PLAN_CHANGES[change], absorb_q=batch > 1)
     path = LoadedPath(Problem(CONFIG), stock.forward, fused.forward, fused.supports)
     _assert_passes_the_harness_check(path, _case(batch, context), CPU)
 

@@ -1331,7 +1331,7 @@ def _compare_pdl_modes(
 # 2 and 8 for q_absorb, 4 and 8 for the post-attention norm, 1 and 2 for routing: none won by
 # more than 1%, and fewer warps lost up to 8.5%.
 # A value of None flips the plan's own switch, for the switches the plan sets per batch.
-SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | str | None]] = {
+SMALL_KERNEL_VARIANTS: dict[str, tuple[str, Any]] = {
     "prep 8 warps": ("prep_warps", 8),  # latent_prep (plan: 4)
     "prep 16 warps": ("prep_warps", 16),
     "route 8 warps": ("route_warps", 8),  # the routing kernel (plan: 4)
@@ -1366,19 +1366,22 @@ SMALL_KERNEL_VARIANTS: dict[str, tuple[str, int | bool | str | None]] = {
     "input norm in qkv_a": ("input_norm_in_qkv_a", True),
     # the combine and w_uv as one kernel (triton_attention.combine_w_uv); o_lat never stored
     "w_uv in the combine": ("w_uv_in_combine", True),
+    # the same with one program per (token, head) over all of V: half the partials' reads,
+    # half the programs (64 at batch 8)
+    "w_uv in the combine, 128 columns": ("w_uv_in_combine+combine_uv_cols", (True, 128)),
     # both, the layer two kernels shorter
     "input norm in qkv_a, w_uv in the combine": ("input_norm_in_qkv_a+w_uv_in_combine", True),
 }
 
 
-def with_plan_value(
-    plan: fused.LayerPlan, field_name: str, value: int | bool | str | None
-) -> fused.LayerPlan:
+def with_plan_value(plan: fused.LayerPlan, field_name: str, value: Any) -> fused.LayerPlan:
     """The plan with one small kernel's launch field changed (None: the plan's switch flipped);
-    fields joined by "+" are each changed so."""
+    fields joined by "+" are each changed so, or each to its own value of a tuple."""
     if "+" in field_name:
-        for one in field_name.split("+"):
-            plan = with_plan_value(plan, one, value)
+        names = field_name.split("+")
+        values = value if isinstance(value, tuple) else (value,) * len(names)
+        for one, one_value in zip(names, values, strict=True):
+            plan = with_plan_value(plan, one, one_value)
         return plan
     owner: Any = plan.attention if hasattr(plan.attention, field_name) else plan
     change = {field_name: not getattr(owner, field_name) if value is None else value}

@@ -42,7 +42,7 @@ import torch
 
 from kernels.mla_moe_decode import cute_kernels
 from kernels.mla_moe_decode.triton_common import pdl_options
-from kernels.mla_moe_decode.triton_gemv import GemvBlocks
+from kernels.mla_moe_decode.triton_gemv import GemvBlocks, refuse_overlap
 
 WARPS = 4
 VECTOR = 8  # bf16 elements per 16-byte copy
@@ -87,6 +87,7 @@ def summed_gemv(
     """triton_gemv.summed_gemv's contract: the GEMV over bf16(x + residual), the sum written
     into `summed` (M, K) bf16 and returned with each split's sum of its squares (splits, M)."""
     _check(x, weight, blocks, residual, summed)
+    refuse_overlap(summed, x, residual)
     m, k = x.shape
     parts = torch.empty(blocks.splits, m, weight.shape[0], device=x.device, dtype=torch.float32)
     squares = torch.empty(blocks.splits, m, device=x.device, dtype=torch.float32)

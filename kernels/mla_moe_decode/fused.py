@@ -529,6 +529,10 @@ def _attention_and_routing(
     batch, eps = x.shape[0], c.rms_norm_eps
     plan = _plan(c, x, cache.shape[1])
     turns = rope_turns(x.device, c.qk_rope_head_dim, c.rope_theta)
+    absorb = plan.absorb_q and cp_group() is None
+    fold_prep = plan.fold_latent_prep and not absorb
+    if fold_prep and plan.input_norm_in_qkv_a:  # q_b_folded reads qkv_a's sums, not the rms
+        raise ValueError("fold_latent_prep and input_norm_in_qkv_a: one or the other")
     # Kernel 1's bf16 sum of x and residual is read only by the folded router
     # (router_in_o_proj): the post-attention norm adds x and residual again in fp32, as the
     # compiled stock path does. A buffer of its own, not residual_out, which a caller may alias
@@ -539,11 +543,8 @@ def _attention_and_routing(
     deferred = None
     q_lat = x.new_empty(batch, c.heads, c.latent_dim)
     nope, v_dim = c.qk_nope_head_dim, c.v_head_dim
-    absorb = plan.absorb_q and cp_group() is None
     unfinished = None
-    if plan.fold_latent_prep and not absorb:
-        if input_norm is not None:
-            raise ValueError("fold_latent_prep and input_norm_in_qkv_a: one or the other")
+    if fold_prep:
         q, deferred = q_b_folded(
             qkv_a, *norms, positions, turns, w["q_b_proj"], out["kv_new"], eps, plan.q_b
         )

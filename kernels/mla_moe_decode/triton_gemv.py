@@ -228,7 +228,9 @@ def _gemv_tile(
         x_at = rows[:, None] * stride_xm + ks[None, :]
         x_mask = row_mask[:, None] & (ks < K_FIRST)[None, :]
         x = tl.load(x_ptr + x_at, mask=x_mask, other=0.0)  # (BLOCK_M, BLOCK_K)
-        if SUM_INPUTS:  # the residual add of the norm folded into the weight, rounded as there
+        # the norm's residual add, its weight folded into w: the GEMV's bf16 operand is the
+        # rounded sum (stock normalizes the fp32 sum; the fold never rounds the norm's output)
+        if SUM_INPUTS:
             summed = x.to(tl.float32) + tl.load(x2_ptr + x_at, mask=x_mask, other=0.0)
             x = round_bf16(summed)
             if column_block == 0:  # one program per K range keeps the sum and its squares
@@ -284,7 +286,9 @@ def summed_gemv(
     """splitk_gemv over bf16(x + residual), the residual add of an RMSNorm folded into the
     weight (fused.LayerPlan.input_norm_in_qkv_a): x, residual, summed (M, K) bf16 contiguous.
     Writes the sum into `summed` and returns (partial sums (splits, M, N) fp32, each split's
-    sum of squares of the sum (splits, M) fp32), from which the consumer finds the rms."""
+    sum of squares of the sum (splits, M) fp32), from which the consumer finds the rms.
+    `summed` must not share memory with x or residual: other programs still read them."""
+    refuse_overlap(summed, x, residual)
     m, k = x.shape
     n = weight.shape[0]
     parts = torch.empty(blocks.splits, m, n, device=x.device, dtype=torch.float32)
@@ -295,6 +299,16 @@ def summed_gemv(
         **_launch_options(x, blocks),
     )  # fmt: skip
     return parts, squares
+
+
+def refuse_overlap(out: torch.Tensor, *inputs: torch.Tensor) -> None:
+    """A kernel that writes `out` while other programs read `inputs` must not be given an
+    `out` in their memory (an in-place sum, as vLLM updates its residual, would race)."""
+    start, end = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+    for t in inputs:
+        t_start = t.data_ptr()
+        if t_start < end and start < t_start + t.numel() * t.element_size():
+            raise ValueError("the sum's buffer overlaps an input it is computed from")
 
 
 def _launch_options(x: torch.Tensor, blocks: GemvBlocks) -> dict[str, object]:

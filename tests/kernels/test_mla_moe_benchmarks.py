@@ -241,9 +241,11 @@ def test_with_plan_value_changes_that_kernel_alone(batch: int) -> None:
     plan = fused.layer_plan(LayerConfig(), batch, 1024, True, 132)
     for field_name, value in SMALL_KERNEL_VARIANTS.values():
         expected = dataclasses.asdict(plan)
-        for one in field_name.split("+"):  # a variant may change several fields
+        names = field_name.split("+")  # a variant may change several fields, each its own way
+        values = value if isinstance(value, tuple) else (value,) * len(names)
+        for one, one_value in zip(names, values, strict=True):
             owner = expected["attention"] if one in expected["attention"] else expected
-            one_value = not owner[one] if value is None else value
+            one_value = not owner[one] if one_value is None else one_value
             assert owner[one] != one_value  # the plan's own value is the "off" variant
             owner[one] = one_value
         assert dataclasses.asdict(with_plan_value(plan, field_name, value)) == expected

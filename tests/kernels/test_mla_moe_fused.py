@@ -342,6 +342,19 @@ def test_summed_gemv_is_the_gemv_of_the_rounded_sum_and_keeps_the_sum_and_its_sq
         torch.testing.assert_close(squares[split].double(), (part * part).sum(1), rtol=1e-6, atol=0)
 
 
+def test_summed_gemv_refuses_a_sum_in_its_inputs_memory() -> None:
+    """An in-place sum (vLLM updates its residual so) would be written by some programs while
+    others still read the inputs: refused, as is a partial overlap."""
+    blocks = fused.layer_plan(LAYER, 3, 8, False, 0).qkv_a
+    n, k = fused.gemv_shapes(LAYER)["qkv_a"]
+    x, residual = torch.zeros(3, k, dtype=BF16), torch.zeros(3, k, dtype=BF16)
+    weight = torch.zeros(n, k, dtype=BF16)
+    both = torch.zeros(4, k, dtype=BF16)
+    for summed, inputs in ((residual, (x, residual)), (both[1:], (both[:3], residual))):
+        with pytest.raises(ValueError, match="overlaps"):
+            summed_gemv(*inputs, weight, blocks, summed)
+
+
 def test_input_norm_weight_gives_qkv_a_of_the_norm_times_the_rms() -> None:
     """(x + residual) @ input_norm_weight.T is qkv_a's GEMV over (x + residual) * norm_weight,
     the input norm's output times the rms, to the weight's rounding; divided by the rms it is
